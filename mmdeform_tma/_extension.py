@@ -1,0 +1,77 @@
+"""Loads the compiled extension ``mmdeform_tma._C`` and reports what it was built with.
+
+Loading never touches a GPU: it only maps the shared library and registers the operator schema.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from dataclasses import dataclass
+
+BUILD_HINT = (
+    "build it from the repository root with `pip install -e . --no-build-isolation` on a machine with "
+    "a CUDA toolkit (nvcc) and a CUDA-enabled torch, or set FORCE_CUDA=1; TORCH_CUDA_ARCH_LIST must "
+    "include 9.0 for the Hopper kernels"
+)
+
+
+@dataclass(frozen=True)
+class BuildInfo:
+    loaded: bool
+    error: str | None = None
+    with_cuda: bool = False
+    with_hopper: bool = False
+    cuda_archs: tuple[str, ...] = ()
+    cuda_version: int | None = None
+    torch_version: str | None = None
+
+    def supports_device(self, capability: tuple[int, int]) -> bool:
+        """Whether the compiled targets include code that runs on a GPU of this capability."""
+        major, minor = capability
+        for arch in self.cuda_archs:
+            kind, _, number = arch.partition("_")
+            digits = number.rstrip("a")
+            arch_cap = (int(digits[:-1]), int(digits[-1]))
+            if kind == "sm" and arch_cap == (major, minor):
+                return True
+            if kind == "sm" and not number.endswith("a") and arch_cap[0] == major and arch_cap[1] <= minor:
+                return True  # SASS runs on later minor revisions of the same major
+            if kind == "compute" and arch_cap <= (major, minor) and not number.endswith("a"):
+                return True  # PTX is JIT-compiled for newer GPUs
+        return False
+
+
+@functools.cache
+def _load():
+    try:
+        return importlib.import_module("mmdeform_tma._C"), None
+    except ImportError as exc:
+        return None, f"mmdeform_tma._C could not be imported ({exc})"
+
+
+def extension():
+    """The `_C` module, or None when it cannot be imported (build_info().error says why)."""
+    return _load()[0]
+
+
+@functools.cache
+def build_info() -> BuildInfo:
+    module, error = _load()
+    if module is None:
+        return BuildInfo(loaded=False, error=error)
+    raw = module.build_info()
+    return BuildInfo(
+        loaded=True,
+        with_cuda=bool(raw["with_cuda"]),
+        with_hopper=bool(raw["with_hopper"]),
+        cuda_archs=tuple(arch for arch in raw["cuda_archs"].split(",") if arch),
+        cuda_version=raw["cuda_version"],
+        torch_version=raw["torch_version"],
+    )
+
+
+def kernel_configs(backend: str, direction: str) -> tuple[str, ...]:
+    """Names of the compiled kernel variants of a backend, in the order the ops' `config` indexes."""
+    module = extension()
+    return tuple(module.kernel_configs(backend, direction)) if module is not None else ()

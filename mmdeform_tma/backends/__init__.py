@@ -1,0 +1,16 @@
+"""The backends, one module each, registered by name."""
+
+from .base import Backend
+from .cuda import CudaBackend
+from .mmcv import MMCVBackend
+from .pytorch import PyTorchBackend
+from .tma import TmaBackend
+from .tma_ws import TmaWarpSpecializedBackend
+
+BACKENDS: dict[str, Backend] = {
+    backend.name: backend
+    for backend in (TmaWarpSpecializedBackend(), TmaBackend(), CudaBackend(), MMCVBackend(), PyTorchBackend())
+}
+BACKEND_NAMES: tuple[str, ...] = tuple(BACKENDS)
+
+__all__ = ["BACKENDS", "BACKEND_NAMES", "Backend"]

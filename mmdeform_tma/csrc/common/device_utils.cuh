@@ -1,0 +1,206 @@
+// Device helpers shared by every backend: vector loads and dtype conversion, bilinear sampling
+// geometry, the level-geometry check, and reductions inside a team of lanes.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "problem.h"
+
+namespace mmdeform_tma {
+
+// Accumulators are fp32 (fp64 for an fp64 value).
+template <typename scalar_t>
+using acc_type = coord_type<scalar_t>;
+
+// ---------------------------------------------------------------------------------------------
+// Vectors of N elements, moved with one load/store of N * sizeof(scalar_t) bytes.
+
+template <int BYTES>
+struct RawVec;
+template <>
+struct RawVec<16> {
+  using type = uint4;
+};
+template <>
+struct RawVec<8> {
+  using type = uint2;
+};
+template <>
+struct RawVec<4> {
+  using type = uint32_t;
+};
+template <>
+struct RawVec<2> {
+  using type = uint16_t;
+};
+
+template <typename scalar_t, int N>
+struct alignas(N * sizeof(scalar_t)) Vec {
+  scalar_t v[N];
+};
+
+template <typename scalar_t, int N>
+__device__ __forceinline__ Vec<scalar_t, N> load_vec(const scalar_t* ptr) {
+  using raw_t = typename RawVec<N * sizeof(scalar_t)>::type;
+  Vec<scalar_t, N> out;
+  *reinterpret_cast<raw_t*>(&out) = __ldg(reinterpret_cast<const raw_t*>(ptr));
+  return out;
+}
+
+template <typename scalar_t, int N>
+__device__ __forceinline__ Vec<scalar_t, N> load_shared_vec(const scalar_t* ptr) {
+  return *reinterpret_cast<const Vec<scalar_t, N>*>(ptr);
+}
+
+template <typename scalar_t, int N>
+__device__ __forceinline__ void store_vec(scalar_t* ptr, const Vec<scalar_t, N>& vec) {
+  *reinterpret_cast<Vec<scalar_t, N>*>(ptr) = vec;
+}
+
+// Element conversion to the accumulator type; pairs of halves convert with one instruction.
+template <typename scalar_t, int N>
+__device__ __forceinline__ void to_acc(const Vec<scalar_t, N>& in, acc_type<scalar_t> (&out)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) out[i] = static_cast<acc_type<scalar_t>>(in.v[i]);
+}
+
+template <int N>
+__device__ __forceinline__ void to_acc(const Vec<__half, N>& in, float (&out)[N]) {
+  if constexpr (N % 2 == 0) {
+#pragma unroll
+    for (int i = 0; i < N; i += 2) {
+      const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&in.v[i]));
+      out[i] = f.x;
+      out[i + 1] = f.y;
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; ++i) out[i] = __half2float(in.v[i]);
+  }
+}
+
+template <int N>
+__device__ __forceinline__ void to_acc(const Vec<__nv_bfloat16, N>& in, float (&out)[N]) {
+  if constexpr (N % 2 == 0) {
+#pragma unroll
+    for (int i = 0; i < N; i += 2) {
+      const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&in.v[i]));
+      out[i] = f.x;
+      out[i + 1] = f.y;
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; ++i) out[i] = __bfloat162float(in.v[i]);
+  }
+}
+
+template <typename scalar_t>
+__device__ __forceinline__ scalar_t from_acc(acc_type<scalar_t> x) {
+  return static_cast<scalar_t>(x);
+}
+template <>
+__device__ __forceinline__ __half from_acc<__half>(float x) {
+  return __float2half_rn(x);
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_acc<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
+
+template <typename scalar_t, int N>
+__device__ __forceinline__ Vec<scalar_t, N> from_acc_vec(const acc_type<scalar_t> (&in)[N]) {
+  Vec<scalar_t, N> out;
+#pragma unroll
+  for (int i = 0; i < N; ++i) out.v[i] = from_acc<scalar_t>(in[i]);
+  return out;
+}
+
+template <typename T>
+__device__ __forceinline__ T quiet_nan() {
+  return static_cast<T>(__int_as_float(0x7fc00000));
+}
+template <>
+__device__ __forceinline__ double quiet_nan<double>() {
+  return __longlong_as_double(0x7ff8000000000000ll);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Bilinear sampling with align_corners=False and zero padding, as mmcv and grid_sample define it:
+// pixel (h, w) of a level sits at normalised ((w + 0.5) / W, (h + 0.5) / H).
+
+enum Corner : int { kTopLeft = 0, kTopRight = 1, kBottomLeft = 2, kBottomRight = 3 };
+
+template <typename coord_t>
+struct Bilinear {
+  int y0, x0;          // the top-left corner
+  coord_t ly, lx;      // distance from the top-left corner, in [0, 1)
+  unsigned valid;      // bit c: corner c lies inside the level; 0 when the point misses it entirely
+
+  __device__ __forceinline__ coord_t weight(int corner) const {
+    const coord_t wy = (corner & 2) ? ly : coord_t(1) - ly;
+    const coord_t wx = (corner & 1) ? lx : coord_t(1) - lx;
+    return wy * wx;
+  }
+};
+
+template <typename coord_t>
+__device__ __forceinline__ Bilinear<coord_t> bilinear(coord_t x, coord_t y, int height, int width) {
+  Bilinear<coord_t> b{0, 0, coord_t(0), coord_t(0), 0u};
+  const coord_t h_im = y * coord_t(height) - coord_t(0.5);
+  const coord_t w_im = x * coord_t(width) - coord_t(0.5);
+  // Written so that NaN and +-Inf fail the test: such a point contributes nothing.
+  if (!(h_im > coord_t(-1) && w_im > coord_t(-1) && h_im < coord_t(height) && w_im < coord_t(width))) return b;
+  const coord_t yf = floor(h_im), xf = floor(w_im);
+  b.y0 = static_cast<int>(yf);
+  b.x0 = static_cast<int>(xf);
+  b.ly = h_im - yf;
+  b.lx = w_im - xf;
+  const bool top = b.y0 >= 0, bottom = b.y0 + 1 < height, left = b.x0 >= 0, right = b.x0 + 1 < width;
+  b.valid = (top && left ? 1u : 0u) | (top && right ? 2u : 0u) | (bottom && left ? 4u : 0u) | (bottom && right ? 8u : 0u);
+  return b;
+}
+
+// h, w >= 0, level_start_index is the running sum of h*w, and it adds up to num_keys. Checked on
+// the device (a few cached loads) so that inconsistent metadata never leads to reads outside value.
+__device__ __forceinline__ bool level_geometry_ok(
+    const int64_t* __restrict__ shapes, const int64_t* __restrict__ starts, int levels, int64_t num_keys) {
+  int64_t expected = 0;
+  for (int l = 0; l < levels; ++l) {
+    const int64_t h = __ldg(shapes + 2 * l), w = __ldg(shapes + 2 * l + 1);
+    if (h < 0 || w < 0 || h > num_keys || w > num_keys || __ldg(starts + l) != expected) return false;
+    expected += h * w;
+    if (expected > num_keys) return false;
+  }
+  return expected == num_keys;
+}
+
+struct LevelGeometry {
+  int height, width;
+  int64_t start;
+};
+
+__device__ __forceinline__ LevelGeometry level_geometry(const int64_t* shapes, const int64_t* starts, int level) {
+  return LevelGeometry{
+      static_cast<int>(__ldg(shapes + 2 * level)), static_cast<int>(__ldg(shapes + 2 * level + 1)), __ldg(starts + level)};
+}
+
+// ---------------------------------------------------------------------------------------------
+// Teams: `team` consecutive lanes (a power of two, at most 32) share one item.
+
+__device__ __forceinline__ unsigned team_mask(int team) {
+  if (team == 32) return 0xffffffffu;
+  const int lane = threadIdx.x & 31;
+  return ((1u << team) - 1u) << (lane & ~(team - 1));
+}
+
+template <typename T>
+__device__ __forceinline__ T team_sum(T x, unsigned mask, int team) {
+  for (int offset = team >> 1; offset > 0; offset >>= 1) x += __shfl_xor_sync(mask, x, offset, team);
+  return x;
+}
+
+}  // namespace mmdeform_tma

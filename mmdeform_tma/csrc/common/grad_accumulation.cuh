@@ -1,0 +1,150 @@
+// Where the value gradient goes. Every backward kernel scatters  attention x bilinear x grad_output
+// into the four corners of each sampling point; two policies decide how:
+//   AtomicSink       fp32 (fp64 for an fp64 value) buffer with vector atomics: fast, the order of
+//                    additions varies from run to run;
+//   FixedPointSink   64-bit fixed point with integer atomics: integer addition is associative, so
+//                    the result is bitwise identical on every run (torch deterministic mode).
+//
+// Fixed point: a destination element receives at most queries x points contributions (a point's
+// four corners are distinct keys), each at most max|attention| x max|grad_output| in magnitude.
+// Scaling by 2^62 / (queries x points x max|a| x max|g|) therefore cannot overflow int64, and the
+// quantum is that bound times 2^-62. Non-finite contributions set per-element flags instead, which
+// the finalize step turns back into NaN / +Inf / -Inf exactly as IEEE addition would.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include "device_utils.cuh"
+
+namespace mmdeform_tma {
+
+__device__ __forceinline__ void red_add_f32x4(float* dst, float a, float b, float c, float d) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(dst), "f"(a), "f"(b), "f"(c), "f"(d) : "memory");
+#else
+  atomicAdd(dst, a);
+  atomicAdd(dst + 1, b);
+  atomicAdd(dst + 2, c);
+  atomicAdd(dst + 3, d);
+#endif
+}
+
+__device__ __forceinline__ void red_add_f32x2(float* dst, float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(dst), "f"(a), "f"(b) : "memory");
+#else
+  atomicAdd(dst, a);
+  atomicAdd(dst + 1, b);
+#endif
+}
+
+// N consecutive floats, 4N-byte aligned: vector reductions of 16 (or 8) bytes on sm_90.
+template <int N>
+__device__ __forceinline__ void atomic_add_vec(float* dst, const float (&v)[N]) {
+  if constexpr (N % 4 == 0) {
+#pragma unroll
+    for (int i = 0; i < N; i += 4) red_add_f32x4(dst + i, v[i], v[i + 1], v[i + 2], v[i + 3]);
+  } else if constexpr (N % 2 == 0) {
+#pragma unroll
+    for (int i = 0; i < N; i += 2) red_add_f32x2(dst + i, v[i], v[i + 1]);
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; ++i) atomicAdd(dst + i, v[i]);
+  }
+}
+
+template <int N>
+__device__ __forceinline__ void atomic_add_vec(double* dst, const double (&v)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) atomicAdd(dst + i, v[i]);
+}
+
+template <typename acc_t>
+struct AtomicSink {
+  acc_t* __restrict__ grad;  // [batch, num_keys, heads, channels]
+
+  __device__ __forceinline__ void prepare() {}
+
+  template <int N>
+  __device__ __forceinline__ void add(int64_t index, const acc_t (&v)[N]) const {
+    atomic_add_vec(grad + index, v);
+  }
+};
+
+enum NonFiniteFlag : uint32_t { kNaN = 1u, kPosInf = 2u, kNegInf = 4u };
+
+// Finite maxima of |attention_weights| and |grad_output| as float bit patterns (monotonic for >= 0).
+struct FixedPointBounds {
+  unsigned int max_abs_weight_bits;
+  unsigned int max_abs_grad_bits;
+};
+
+__device__ __forceinline__ double fixed_point_scale(const FixedPointBounds* bounds, int64_t contributions_per_element) {
+  const double a = static_cast<double>(__uint_as_float(bounds->max_abs_weight_bits));
+  const double g = static_cast<double>(__uint_as_float(bounds->max_abs_grad_bits));
+  const double bound = static_cast<double>(contributions_per_element > 0 ? contributions_per_element : 1) * a * g;
+  return bound > 0.0 ? 4611686018427387904.0 / bound : 1.0;  // 2^62 / bound
+}
+
+template <typename acc_t>
+struct FixedPointSink {
+  unsigned long long* __restrict__ grad;  // int64 two's complement, [batch, num_keys, heads, channels]
+  uint32_t* __restrict__ nonfinite;       // 8 flag bits per element, four elements per word
+  const FixedPointBounds* __restrict__ bounds;
+  int64_t contributions_per_element;
+  double scale;
+
+  __device__ __forceinline__ void prepare() { scale = fixed_point_scale(bounds, contributions_per_element); }
+
+  template <int N>
+  __device__ __forceinline__ void add(int64_t index, const acc_t (&v)[N]) const {
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      const double x = static_cast<double>(v[i]);
+      const double q = x * scale;
+      if (fabs(q) < 9.0e18) {  // false for NaN, +-Inf, and fp64 values beyond the float range of the bounds
+        atomicAdd(grad + index + i, static_cast<unsigned long long>(__double2ll_rn(q)));
+      } else {
+        const uint32_t flag = isnan(x) ? kNaN : (x > 0 ? kPosInf : kNegInf);
+        const int64_t e = index + i;
+        atomicOr(nonfinite + (e >> 2), flag << (8 * (e & 3)));
+      }
+    }
+  }
+};
+
+// Host side of the value gradient: allocation, the fixed-point bounds pass and the final cast.
+class ValueGradient {
+ public:
+  // `deterministic` picks the fixed-point sink; otherwise fp32 atomics, straight into the result
+  // when value is fp32/fp64 and into an fp32 buffer (cast at the end) for fp16/bf16.
+  ValueGradient(const ProblemTensors& problem, const at::Tensor& grad_output, bool deterministic);
+
+  template <typename scalar_t>
+  AtomicSink<acc_type<scalar_t>> atomic_sink() const {
+    return AtomicSink<acc_type<scalar_t>>{buffer_.data_ptr<acc_type<scalar_t>>()};
+  }
+  template <typename scalar_t>
+  FixedPointSink<acc_type<scalar_t>> fixed_point_sink() const {
+    return FixedPointSink<acc_type<scalar_t>>{
+        reinterpret_cast<unsigned long long*>(buffer_.data_ptr<int64_t>()),
+        reinterpret_cast<uint32_t*>(flags_.data_ptr<int32_t>()),
+        reinterpret_cast<const FixedPointBounds*>(bounds_.data_ptr<int32_t>()),
+        contributions_per_element_,
+        0.0};
+  }
+  bool deterministic() const { return deterministic_; }
+
+  // The gradient in value's dtype.
+  at::Tensor finish();
+
+ private:
+  at::Tensor value_;
+  at::Tensor buffer_;  // fp32/fp64 accumulator, or int64 fixed point
+  at::Tensor flags_;   // non-finite flags (fixed point only)
+  at::Tensor bounds_;  // FixedPointBounds (fixed point only)
+  int64_t contributions_per_element_ = 0;
+  bool deterministic_;
+};
+
+}  // namespace mmdeform_tma

@@ -1,0 +1,83 @@
+#include "tensor_map.h"
+
+#include <c10/cuda/CUDAException.h>
+#include <c10/util/Exception.h>
+#include <cuda_runtime.h>
+#include <cudaTypedefs.h>
+
+#ifndef MMDEFORM_TMA_WITH_HOPPER
+#define MMDEFORM_TMA_WITH_HOPPER 0
+#endif
+
+namespace mmdeform_tma {
+namespace hopper {
+namespace {
+
+// The driver's encoder, found at run time so the extension does not link libcuda.
+PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult status{};
+    C10_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &status));
+    TORCH_CHECK(status == cudaDriverEntryPointSuccess && fn != nullptr,
+                "mmdeform_tma: the CUDA driver does not provide cuTensorMapEncodeTiled");
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  }();
+  return encode;
+}
+
+CUtensorMapDataType tma_dtype(at::ScalarType type) {
+  switch (type) {
+    case at::kHalf:
+      return CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+    case at::kBFloat16:
+      return CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+    case at::kFloat:
+      return CU_TENSOR_MAP_DATA_TYPE_FLOAT32;
+    case at::kDouble:
+      return CU_TENSOR_MAP_DATA_TYPE_FLOAT64;
+    default:
+      TORCH_CHECK(false, "mmdeform_tma: no TMA type for ", type);
+  }
+}
+
+}  // namespace
+
+CUtensorMap value_tensor_map(const at::Tensor& value) {
+  const int64_t rows = value.size(0) * value.size(1), heads = value.size(2), channels = value.size(3);
+  const int64_t element = value.element_size();
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(value.data_ptr()) % 16 == 0, "mmdeform_tma: value must be 16-byte aligned");
+  TORCH_CHECK(rows > 0 && rows < (int64_t(1) << 31), "mmdeform_tma: batch x num_keys must be in [1, 2^31)");
+  CUtensorMap map;
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(heads * channels), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(heads * channels * element)};
+  const cuuint32_t box[2] = {static_cast<cuuint32_t>(channels), 2};
+  const cuuint32_t element_strides[2] = {1, 1};
+  const CUresult result = tensor_map_encoder()(
+      &map, tma_dtype(value.scalar_type()), 2, value.data_ptr(), dims, strides, box, element_strides,
+      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  TORCH_CHECK(result == CUDA_SUCCESS, "mmdeform_tma: cuTensorMapEncodeTiled failed with error ", static_cast<int>(result),
+              " for value ", value.sizes(), " (", value.scalar_type(), ")");
+  return map;
+}
+
+void require_hopper(const std::string& backend) {
+  TORCH_CHECK(MMDEFORM_TMA_WITH_HOPPER, "mmdeform_tma ", backend,
+              ": this build has no sm_90a kernels; rebuild with TORCH_CUDA_ARCH_LIST including 9.0");
+  int device = 0, major = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  TORCH_CHECK(major == 9, "mmdeform_tma ", backend, ": sm_90a kernels need a compute capability 9.x GPU, device ",
+              device, " is ", major, ".x");
+}
+
+void require_tma_channels(const at::Tensor& value, const std::string& backend) {
+  const int64_t bytes = value.size(3) * value.element_size();
+  TORCH_CHECK(bytes == 16 || bytes == 32 || bytes == 64 || bytes == 128 || bytes == 256, "mmdeform_tma ", backend,
+              ": a head's channels must span 16, 32, 64, 128 or 256 bytes, got ", value.size(3), " x ",
+              value.element_size(), " B");
+}
+
+}  // namespace hopper
+}  // namespace mmdeform_tma

@@ -1,0 +1,27 @@
+// Host side of the Hopper backends: the TMA descriptor over `value`, and the checks that the GPU
+// and the build can run sm_90a kernels.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <cuda.h>
+
+#include <string>
+
+namespace mmdeform_tma {
+namespace hopper {
+
+// `value` [batch, num_keys, heads, channels] seen as a 2-D tensor of batch*num_keys rows ("keys")
+// by heads*channels columns. A box is `channels` columns (one head) by 2 consecutive keys: the
+// two horizontally adjacent corners of a sampling point. Keys outside [0, batch*num_keys) read as
+// zeros. Level geometry is applied by the kernels, so the map needs no level shapes on the host
+// (no synchronisation, CUDA-graph capturable). Encoded per call; passed as a __grid_constant__.
+CUtensorMap value_tensor_map(const at::Tensor& value);
+
+// Throws unless the current GPU is compute capability 9.x and the build holds sm_90a code.
+void require_hopper(const std::string& backend);
+
+// Throws unless a head's channels span 16, 32, 64, 128 or 256 bytes (the team layouts).
+void require_tma_channels(const at::Tensor& value, const std::string& backend);
+
+}  // namespace hopper
+}  // namespace mmdeform_tma

@@ -1,0 +1,1 @@
+"""Integrations with other libraries (OpenMMLab's mmcv)."""

@@ -1,0 +1,218 @@
+"""GPU tests of the compiled backends (cuda, tma, tma_ws) against float64 references.
+
+Accuracy rules (relative L2 against float64 on the same rounded inputs):
+  - float32 results: at most 1e-5;
+  - float16 / bfloat16 results: at most 1.5x the error of rounding the exact result to that dtype.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mmdeform_tma
+from mmdeform_tma.backends import BACKENDS
+from mmdeform_tma.inputs import validate
+from msda_cases import (
+    COMPILED_BACKENDS,
+    backend_skip_reason,
+    gather_reference,
+    make_problem,
+    rel_l2,
+    rounding_error,
+    value_gradient_entries,
+)
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU on this machine")]
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+# (name, level shapes, batch, queries, heads, channels, points, locality)
+CASES = [
+    ("detr_like", [(20, 30), (10, 15), (5, 8), (3, 4)], 2, 300, 8, 32, 4, "local"),
+    ("uniform_outside", [(13, 17), (7, 9), (4, 5)], 2, 200, 4, 32, 4, "uniform"),
+    ("one_level_p1", [(9, 11)], 3, 50, 2, 16, 1, "uniform"),
+    ("five_levels_p8", [(16, 16), (8, 8), (4, 4), (2, 2), (1, 1)], 1, 120, 8, 64, 8, "local"),
+    ("c128_h16_p16", [(10, 12), (5, 6)], 1, 40, 16, 128, 16, "uniform"),
+    ("c256_h1", [(6, 7), (3, 4)], 2, 30, 1, 256, 2, "uniform"),
+    ("c6_odd_levels", [(5, 7), (3, 1), (1, 9)], 2, 60, 3, 6, 3, "uniform"),
+    ("c3_odd_channels", [(5, 4), (2, 3)], 2, 40, 2, 3, 2, "uniform"),
+    ("seven_levels", [(6, 6), (5, 5), (4, 4), (3, 3), (2, 2), (1, 2), (1, 1)], 1, 50, 2, 32, 2, "uniform"),
+]
+
+
+def skip_unless_supported(name: str, inputs):
+    if reason := backend_skip_reason(name, inputs.dtype):
+        pytest.skip(reason)
+    reasons = BACKENDS[name].not_supported_reasons(inputs)
+    if reasons:
+        pytest.skip(f"{name}: " + "; ".join(reasons))
+
+
+def tolerance(dtype: torch.dtype, exact: torch.Tensor) -> float:
+    if dtype in (torch.float16, torch.bfloat16):
+        return 1.5 * rounding_error(exact, dtype) + 1e-12
+    return 1e-5
+
+
+def check(actual: torch.Tensor, exact: torch.Tensor, what: str) -> None:
+    assert actual.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+    assert torch.isfinite(actual).all(), f"{what}: non-finite values"
+    err, tol = rel_l2(actual, exact), tolerance(actual.dtype, exact)
+    assert err <= tol, f"{what}: relative L2 error {err:.3e} > {tol:.3e}"
+
+
+def cuda_problem(case, dtype, seed=0):
+    name, shapes, batch, queries, heads, channels, points, locality = case
+    g = torch.Generator().manual_seed(seed)
+    p = make_problem(shapes, batch, queries, heads, channels, points, dtype=dtype, generator=g, locality=locality)
+    return p.to(device="cuda", dtype=dtype, coord_dtype=p.sampling_locations.dtype)
+
+
+@pytest.mark.parametrize("backend", COMPILED_BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c[0])
+def test_forward_and_backward_against_float64(backend, dtype, case):
+    problem = cuda_problem(case, dtype)
+    skip_unless_supported(backend, validate(*problem.args()))
+    problem.requires_grad_()
+    out = mmdeform_tma.multi_scale_deformable_attn(*problem.args(), backend=backend)
+    exact_inputs = [t.detach().double().requires_grad_() for t in (problem.value, problem.sampling_locations, problem.attention_weights)]
+    exact = gather_reference(exact_inputs[0], problem.spatial_shapes, problem.level_start_index, exact_inputs[1], exact_inputs[2])
+    assert out.shape == exact.shape and out.dtype == dtype
+    check(out, exact, "output")
+
+    grad_output = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (problem.value, problem.sampling_locations, problem.attention_weights), grad_output)
+    exact_grads = torch.autograd.grad(exact, exact_inputs, grad_output.double())
+    for name, got, want, source in zip(
+        ("grad_value", "grad_locations", "grad_weights"), grads, exact_grads,
+        (problem.value, problem.sampling_locations, problem.attention_weights),
+    ):
+        assert got.dtype == source.dtype and got.shape == source.shape
+        check(got, want, name)
+
+
+@pytest.mark.parametrize("backend", COMPILED_BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+def test_half_locations_are_upcast_not_truncated(backend, dtype):
+    problem = cuda_problem(CASES[0], dtype, seed=3)
+    skip_unless_supported(backend, validate(*problem.args()))
+    loc16 = problem.sampling_locations.to(dtype)
+    out = mmdeform_tma.multi_scale_deformable_attn(problem.value, problem.spatial_shapes, problem.level_start_index, loc16, problem.attention_weights, backend=backend)
+    exact = gather_reference(problem.value, problem.spatial_shapes, problem.level_start_index, loc16, problem.attention_weights)
+    check(out, exact, "output")
+
+
+@pytest.mark.parametrize("backend", COMPILED_BACKENDS)
+def test_gradcheck_float64(backend):
+    problem = cuda_problem(("small", [(4, 5), (2, 3)], 1, 3, 2, 4, 2, "uniform"), torch.float64, seed=5)
+    problem.sampling_locations = problem.sampling_locations.clamp(-0.2, 1.2) + 1e-3
+    skip_unless_supported(backend, validate(*problem.args()))
+    problem.requires_grad_()
+
+    def fn(value, locations, weights):
+        return mmdeform_tma.multi_scale_deformable_attn(value, problem.spatial_shapes, problem.level_start_index, locations, weights, backend=backend)
+
+    assert torch.autograd.gradcheck(fn, (problem.value, problem.sampling_locations, problem.attention_weights), eps=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("backend", COMPILED_BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_deterministic_backward_is_bitwise_repeatable(backend, dtype):
+    problem = cuda_problem(CASES[0], dtype, seed=7)
+    skip_unless_supported(backend, validate(*problem.args()))
+    problem.requires_grad_()
+    torch.use_deterministic_algorithms(True)
+    grad_output = torch.randn(problem.value.shape[0], problem.sampling_locations.shape[1], problem.value.shape[2] * problem.value.shape[3], device="cuda", dtype=dtype)
+    runs = []
+    for _ in range(3):
+        out = mmdeform_tma.multi_scale_deformable_attn(*problem.args(), backend=backend)
+        runs.append(torch.autograd.grad(out, (problem.value, problem.sampling_locations, problem.attention_weights), grad_output))
+    for other in runs[1:]:
+        for a, b in zip(runs[0], other):
+            assert torch.equal(a, b)
+    exact_inputs = [t.detach().double().requires_grad_() for t in (problem.value, problem.sampling_locations, problem.attention_weights)]
+    exact = gather_reference(exact_inputs[0], problem.spatial_shapes, problem.level_start_index, exact_inputs[1], exact_inputs[2])
+    exact_grads = torch.autograd.grad(exact, exact_inputs, grad_output.double())
+    for got, want in zip(runs[0], exact_grads):
+        check(got, want, "deterministic gradient")
+
+
+@pytest.mark.parametrize("backend", COMPILED_BACKENDS)
+def test_empty_dimensions(backend):
+    for batch, queries in ((0, 5), (2, 0)):
+        problem = cuda_problem(("empty", [(3, 4)], max(batch, 1), max(queries, 1), 2, 16, 2, "uniform"), torch.float32)
+        value = problem.value[:batch]
+        loc = problem.sampling_locations[:batch, :queries].clone().requires_grad_()
+        attn = problem.attention_weights[:batch, :queries].clone().requires_grad_()
+        out = mmdeform_tma.multi_scale_deformable_attn(value, problem.spatial_shapes, problem.level_start_index, loc, attn, backend=backend)
+        assert out.shape == (batch, queries, 32)
+        out.sum().backward()
+        assert loc.grad.shape == loc.shape
+
+
+@pytest.mark.parametrize("backend", COMPILED_BACKENDS)
+def test_inconsistent_device_geometry_poisons_output(backend):
+    problem = cuda_problem(CASES[1], torch.float32)
+    skip_unless_supported(backend, validate(*problem.args()))
+    bad = problem.spatial_shapes.clone()
+    bad[0, 1] += 1  # the GPU copy disagrees with value's num_keys; not checked on the host
+    out = mmdeform_tma.multi_scale_deformable_attn(problem.value, bad, problem.level_start_index, problem.sampling_locations, problem.attention_weights, backend=backend)
+    assert torch.isnan(out).all()
+    with mmdeform_tma.strict_validation_enabled(True), pytest.raises(ValueError, match="cover"):
+        mmdeform_tma.multi_scale_deformable_attn(problem.value, bad, problem.level_start_index, problem.sampling_locations, problem.attention_weights, backend=backend)
+
+
+@pytest.mark.parametrize("backend", COMPILED_BACKENDS)
+def test_non_finite_inputs_propagate_like_the_reference(backend):
+    problem = cuda_problem(CASES[0], torch.float32, seed=11)
+    skip_unless_supported(backend, validate(*problem.args()))
+    value = problem.value.clone()
+    value[0, 5] = float("nan")
+    value[1, 40] = float("inf")
+    loc = problem.sampling_locations.clone()
+    loc[0, 0, 0, 0, 0] = float("nan")
+    loc[0, 1, 0, 0, 0] = float("inf")
+    loc[1, 2, 0, 0, 0] = -1e30
+    args = (value, problem.spatial_shapes, problem.level_start_index, loc, problem.attention_weights)
+    out = mmdeform_tma.multi_scale_deformable_attn(*args, backend=backend)
+    expected = mmdeform_tma.multi_scale_deformable_attn(*args, backend="pytorch")
+    assert torch.equal(torch.isnan(out), torch.isnan(expected))
+    assert torch.equal(torch.isinf(out), torch.isinf(expected))
+    finite = torch.isfinite(expected)
+    assert rel_l2(out[finite], expected[finite]) < 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", COMPILED_BACKENDS)
+def test_more_than_2_pow_31_elements(backend):
+    """value and its gradient hold more than 2^31 elements; the sampled keys lie beyond 2^31."""
+    if reason := backend_skip_reason(backend, torch.float16):
+        pytest.skip(reason)
+    side = 2900  # 2900 * 2900 keys x 8 heads x 32 channels = 2.15e9 elements
+    shapes = torch.tensor([[side, side]], device="cuda")
+    starts = torch.tensor([0], device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    value = torch.randn(1, side * side, 8, 32, device="cuda", dtype=torch.float16, generator=g)
+    assert value.numel() > 2**31
+    queries, points = 64, 4
+    loc = torch.rand(1, queries, 8, 1, points, 2, device="cuda", generator=g)
+    loc[..., 1] = 0.97 + 0.03 * loc[..., 1]  # bottom rows: element offsets beyond 2^31
+    attn = torch.rand(1, queries, 8, 1, points, device="cuda", generator=g)
+    loc.requires_grad_()
+    value.requires_grad_()
+    out = mmdeform_tma.multi_scale_deformable_attn(value, shapes, starts, loc, attn, backend=backend)
+    exact = gather_reference(value.detach(), shapes, starts, loc.detach(), attn)
+    check(out, exact, "output")
+    grad_output = torch.randn_like(out)
+    grad_value, grad_loc = torch.autograd.grad(out, (value, loc), grad_output)
+    b, key, h, entries = value_gradient_entries(grad_output, value, shapes, starts, loc.detach(), attn)
+    assert key.max().item() * 8 * 32 > 2**31
+    check(grad_value[b, key, h], entries, "grad_value at touched entries")
+    untouched = torch.randint(0, side * side, (4096,), device="cuda", generator=g)
+    untouched = untouched[~torch.isin(untouched, key)]
+    assert torch.count_nonzero(grad_value[0, untouched]) == 0
+    loc_exact = loc.detach().double().requires_grad_()
+    (want,) = torch.autograd.grad(gather_reference(value.detach(), shapes, starts, loc_exact, attn), loc_exact, grad_output.double())
+    check(grad_loc, want, "grad_locations")

@@ -1,0 +1,219 @@
+"""Problem generators and independent float64 references for the tests.
+
+`loop_reference` is a slow, literal transcription of the definition (one Python loop per index),
+sharing no code with `mmdeform_tma.reference` (grid_sample). `gather_reference` vectorises the same
+arithmetic with explicit corner indexing, for larger problems and any device.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+COMPILED_BACKENDS = ("cuda", "tma", "tma_ws")
+
+
+def backend_skip_reason(name: str, dtype: torch.dtype = torch.float32) -> str | None:
+    """Why a backend cannot run a small CUDA problem here (for pytest.skip), or None."""
+    if not torch.cuda.is_available():
+        return "no CUDA GPU on this machine"
+    from mmdeform_tma.backends import BACKENDS
+    from mmdeform_tma.info import probe_inputs
+
+    reasons = BACKENDS[name].not_supported_reasons(probe_inputs(torch.device("cuda"), dtype, requires_grad=True))
+    return f"{name} cannot run here: {'; '.join(reasons)}" if reasons else None
+
+
+@dataclass
+class Problem:
+    value: torch.Tensor
+    spatial_shapes: torch.Tensor
+    level_start_index: torch.Tensor
+    sampling_locations: torch.Tensor
+    attention_weights: torch.Tensor
+
+    def args(self):
+        return (self.value, self.spatial_shapes, self.level_start_index, self.sampling_locations, self.attention_weights)
+
+    def to(self, device=None, dtype=None, coord_dtype=None):
+        return Problem(
+            self.value.to(device=device, dtype=dtype),
+            self.spatial_shapes.to(device),
+            self.level_start_index.to(device),
+            self.sampling_locations.to(device=device, dtype=coord_dtype),
+            self.attention_weights.to(device=device, dtype=coord_dtype),
+        )
+
+    def requires_grad_(self):
+        for t in (self.value, self.sampling_locations, self.attention_weights):
+            t.requires_grad_()
+        return self
+
+
+def level_start(shapes: list[tuple[int, int]]) -> list[int]:
+    starts, total = [], 0
+    for h, w in shapes:
+        starts.append(total)
+        total += h * w
+    return starts
+
+
+def make_problem(
+    shapes: list[tuple[int, int]],
+    batch: int = 2,
+    queries: int = 5,
+    heads: int = 2,
+    channels: int = 4,
+    points: int = 3,
+    *,
+    dtype: torch.dtype = torch.float64,
+    device="cpu",
+    generator: torch.Generator | None = None,
+    spread: float = 0.25,
+    outside_fraction: float = 0.2,
+    locality: str = "uniform",
+) -> Problem:
+    """Random inputs. `locality='uniform'` draws locations over [-spread, 1 + spread]; 'local'
+    places them at reference points + N(0, 2 px) per level, as Deformable DETR's encoder does.
+    A fraction of the points is pushed outside the image and some land exactly on borders."""
+    g = generator
+    levels = len(shapes)
+    num_keys = sum(h * w for h, w in shapes)
+    value = torch.randn(batch, num_keys, heads, channels, generator=g, dtype=torch.float64)
+    if locality == "local":
+        ref = torch.rand(batch, queries, 1, 1, 1, 2, generator=g, dtype=torch.float64)
+        wh = torch.tensor([[w, h] for h, w in shapes], dtype=torch.float64).view(1, 1, 1, levels, 1, 2)
+        offsets = torch.randn(batch, queries, heads, levels, points, 2, generator=g, dtype=torch.float64) * 2.0 / wh
+        loc = ref + offsets
+    else:
+        loc = torch.rand(batch, queries, heads, levels, points, 2, generator=g, dtype=torch.float64)
+        loc = loc * (1 + 2 * spread) - spread
+    if outside_fraction > 0:
+        mask = torch.rand(loc.shape[:-1], generator=g) < outside_fraction
+        far = torch.rand(loc.shape, generator=g, dtype=torch.float64) * 4 - 1.5
+        loc = torch.where(mask[..., None], far, loc)
+        # a few points exactly on pixel centres and image borders
+        border = torch.rand(loc.shape[:-1], generator=g) < 0.05
+        loc = torch.where(border[..., None], torch.round(loc * 4) / 4, loc)
+    logits = torch.randn(batch, queries, heads, levels * points, generator=g, dtype=torch.float64)
+    attn = logits.softmax(-1).view(batch, queries, heads, levels, points)
+    problem = Problem(
+        value,
+        torch.tensor(shapes, dtype=torch.long).view(levels, 2),
+        torch.tensor(level_start(shapes), dtype=torch.long),
+        loc,
+        attn,
+    )
+    return problem.to(device=device, dtype=dtype, coord_dtype=dtype if dtype == torch.float64 else torch.float32)
+
+
+def loop_reference(value, spatial_shapes, sampling_locations, attention_weights) -> torch.Tensor:
+    """The definition, one scalar at a time, in float64."""
+    v = value.double().cpu()
+    loc = sampling_locations.double().cpu()
+    attn = attention_weights.double().cpu()
+    shapes = spatial_shapes.tolist()
+    starts = level_start([tuple(s) for s in shapes])
+    bs, _, heads, channels = v.shape
+    _, queries, _, levels, points, _ = loc.shape
+    out = torch.zeros(bs, queries, heads, channels, dtype=torch.float64)
+    for b in range(bs):
+        for q in range(queries):
+            for h in range(heads):
+                for lvl in range(levels):
+                    height, width = shapes[lvl]
+                    for p in range(points):
+                        x = loc[b, q, h, lvl, p, 0].item()
+                        y = loc[b, q, h, lvl, p, 1].item()
+                        a = attn[b, q, h, lvl, p].item()
+                        h_im, w_im = y * height - 0.5, x * width - 0.5
+                        if not (h_im > -1 and w_im > -1 and h_im < height and w_im < width):
+                            continue
+                        y0, x0 = math.floor(h_im), math.floor(w_im)
+                        ly, lx = h_im - y0, w_im - x0
+                        for dy, wy in ((0, 1 - ly), (1, ly)):
+                            for dx, wx in ((0, 1 - lx), (1, lx)):
+                                yy, xx = y0 + dy, x0 + dx
+                                if 0 <= yy < height and 0 <= xx < width:
+                                    key = starts[lvl] + yy * width + xx
+                                    out[b, q, h] += a * wy * wx * v[b, key, h]
+    return out.view(bs, queries, heads * channels)
+
+
+def _corners(spatial_shapes, level_start_index, sampling_locations):
+    """For each of the four bilinear corners of every sampling point: (valid, key, bilinear weight),
+    each shaped (bs, queries, heads, levels, points); weights in float64 and differentiable."""
+    loc = sampling_locations.double()
+    levels = loc.shape[3]
+    hw = spatial_shapes.to(loc.device).double()
+    height = hw[:, 0].view(1, 1, 1, levels, 1)
+    width = hw[:, 1].view(1, 1, 1, levels, 1)
+    start = level_start_index.to(loc.device).view(1, 1, 1, levels, 1)
+    h_im = loc[..., 1] * height - 0.5
+    w_im = loc[..., 0] * width - 0.5
+    inside = (h_im > -1) & (w_im > -1) & (h_im < height) & (w_im < width)
+    y0, x0 = torch.floor(h_im).detach(), torch.floor(w_im).detach()
+    ly, lx = h_im - y0, w_im - x0
+    for dy, wy in ((0, 1 - ly), (1, ly)):
+        for dx, wx in ((0, 1 - lx), (1, lx)):
+            yy, xx = y0 + dy, x0 + dx
+            valid = inside & (yy >= 0) & (yy < height) & (xx >= 0) & (xx < width)
+            key = torch.where(valid, start + yy.clamp(min=0).long() * width.long() + xx.clamp(min=0).long(), 0)
+            yield valid, key, wy * wx
+
+
+def _batch_head_index(shape, device):
+    bs, _, heads = shape[:3]
+    b = torch.arange(bs, device=device).view(bs, 1, 1, 1, 1).expand(shape)
+    h = torch.arange(heads, device=device).view(1, 1, heads, 1, 1).expand(shape)
+    return b, h
+
+
+def gather_reference(value, spatial_shapes, level_start_index, sampling_locations, attention_weights) -> torch.Tensor:
+    """The same arithmetic vectorised with explicit corner gathers: float64 math, any device, int64
+    indexing straight into `value` (no copy of it), differentiable."""
+    bs, _, heads, channels = value.shape
+    queries = sampling_locations.shape[1]
+    attn = attention_weights.double()
+    out = torch.zeros(bs, queries, heads, channels, dtype=torch.float64, device=value.device)
+    for valid, key, bilinear in _corners(spatial_shapes, level_start_index, sampling_locations):
+        b, h = _batch_head_index(key.shape, value.device)
+        gathered = value[b, key, h].double()  # (bs, queries, heads, levels, points, channels)
+        weight = torch.where(valid, attn * bilinear, 0.0)
+        out = out + (weight[..., None] * gathered).sum(dim=(3, 4))
+    return out.view(bs, queries, heads * channels)
+
+
+def value_gradient_entries(grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
+    """The exact value gradient at every (batch, key, head) some corner touches, in float64:
+    returns (b, key, h, gradient[channels]) with one row per distinct touched entry."""
+    bs, num_keys, heads, channels = value.shape
+    go = grad_output.double().view(bs, -1, heads, 1, 1, channels)
+    rows, contributions = [], []
+    for valid, key, bilinear in _corners(spatial_shapes, level_start_index, sampling_locations):
+        b, h = _batch_head_index(key.shape, value.device)
+        weight = attention_weights.double() * bilinear
+        contribution = (weight[..., None] * go).detach()
+        rows.append(((b * num_keys + key) * heads + h)[valid])
+        contributions.append(contribution[valid])
+    rows, contributions = torch.cat(rows), torch.cat(contributions)
+    unique, inverse = torch.unique(rows, return_inverse=True)
+    summed = torch.zeros(len(unique), channels, dtype=torch.float64, device=value.device).index_add_(0, inverse, contributions)
+    h = unique % heads
+    key = (unique // heads) % num_keys
+    b = unique // heads // num_keys
+    return b, key, h, summed
+
+
+def rel_l2(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    actual, expected = actual.double(), expected.double().to(actual.device)
+    denom = expected.norm().item()
+    diff = (actual - expected).norm().item()
+    return diff / denom if denom > 0 else diff
+
+
+def rounding_error(exact: torch.Tensor, dtype: torch.dtype) -> float:
+    """Relative L2 error of rounding the exact result to `dtype`: the floor for any kernel."""
+    return rel_l2(exact.to(dtype), exact)

@@ -1,0 +1,98 @@
+"""The torch.library ops: schema, CPU kernel (the reference), fake kernels, autograd, compile."""
+
+import pytest
+import torch
+
+import mmdeform_tma  # noqa: F401  (registers the ops)
+from mmdeform_tma.reference import ms_deform_attn_reference
+from msda_cases import make_problem, rel_l2
+
+ops = torch.ops.mmdeform_tma
+
+
+@pytest.fixture
+def problem(generator):
+    p = make_problem([(4, 3), (2, 2)], batch=2, queries=3, heads=2, channels=4, points=2, generator=generator)
+    p.sampling_locations = p.sampling_locations.clamp(-0.2, 1.2) + 1e-3  # off pixel boundaries for gradcheck
+    return p
+
+
+def test_schema():
+    fwd = str(ops.ms_deform_attn_forward.default._schema)
+    bwd = str(ops.ms_deform_attn_backward.default._schema)
+    assert fwd.startswith("mmdeform_tma::ms_deform_attn_forward(Tensor value, Tensor spatial_shapes")
+    assert "str backend, int config) -> Tensor" in fwd
+    assert "bool deterministic) -> (Tensor, Tensor, Tensor)" in bwd
+
+
+def test_cpu_kernel_is_the_reference(problem):
+    out = ops.ms_deform_attn_forward(*problem.args(), "pytorch", -1)
+    expected = ms_deform_attn_reference(problem.value, problem.spatial_shapes, problem.sampling_locations, problem.attention_weights)
+    assert rel_l2(out, expected) == 0.0
+
+
+def test_cpu_kernel_refuses_cuda_backends(problem):
+    with pytest.raises(RuntimeError, match="backend 'tma_ws' runs on CUDA"):
+        ops.ms_deform_attn_forward(*problem.args(), "tma_ws", -1)
+
+
+def test_opcheck_forward(problem):
+    problem.requires_grad_()
+    torch.library.opcheck(ops.ms_deform_attn_forward.default, (*problem.args(), "pytorch", -1))
+
+
+def test_opcheck_backward(problem):
+    grad = torch.randn(2, 3, 8, dtype=torch.float64)
+    torch.library.opcheck(ops.ms_deform_attn_backward.default, (grad, *problem.args(), "pytorch", -1, False))
+
+
+def test_autograd_through_the_op_matches_reference(problem):
+    problem.requires_grad_()
+    grad = torch.randn(2, 3, 8, dtype=torch.float64)
+    out = ops.ms_deform_attn_forward(*problem.args(), "pytorch", -1)
+    got = torch.autograd.grad(out, (problem.value, problem.sampling_locations, problem.attention_weights), grad)
+    ref = ms_deform_attn_reference(problem.value, problem.spatial_shapes, problem.sampling_locations, problem.attention_weights)
+    want = torch.autograd.grad(ref, (problem.value, problem.sampling_locations, problem.attention_weights), grad)
+    for g, w in zip(got, want):
+        assert rel_l2(g, w) < 1e-12
+
+
+def test_gradcheck_through_the_op(problem):
+    problem.requires_grad_()
+    fn = lambda v, loc, attn: ops.ms_deform_attn_forward(v, problem.spatial_shapes, problem.level_start_index, loc, attn, "pytorch", -1)
+    assert torch.autograd.gradcheck(fn, (problem.value, problem.sampling_locations, problem.attention_weights), eps=1e-6, atol=1e-7)
+
+
+def test_fake_tensor_shapes(problem):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode:
+        fake = [mode.from_tensor(t) for t in problem.args()]
+        out = ops.ms_deform_attn_forward(*fake, "tma_ws", -1)
+        grads = ops.ms_deform_attn_backward(torch.empty(2, 3, 8, dtype=torch.float64), *fake, "tma_ws", 3, True)
+    assert out.shape == (2, 3, 8) and out.dtype == torch.float64
+    assert [g.shape for g in grads] == [t.shape for t in (problem.value, problem.sampling_locations, problem.attention_weights)]
+
+
+def test_torch_compile_fullgraph(problem):
+    torch._dynamo.reset()
+
+    def fn(value, spatial_shapes, level_start_index, loc, attn):
+        return ops.ms_deform_attn_forward(value, spatial_shapes, level_start_index, loc, attn, "pytorch", -1) * 2
+
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(*problem.args()), fn(*problem.args()))
+
+
+def test_torch_compile_functional_api_fullgraph(problem):
+    torch._dynamo.reset()
+
+    def fn(value, spatial_shapes, level_start_index, loc, attn):
+        return mmdeform_tma.multi_scale_deformable_attn(value, spatial_shapes, level_start_index, loc, attn, backend="pytorch")
+
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    problem.requires_grad_()
+    out = compiled(*problem.args())
+    torch.testing.assert_close(out, fn(*problem.args()))
+    out.sum().backward()
+    assert problem.value.grad is not None

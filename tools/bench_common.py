@@ -1,0 +1,149 @@
+"""Shared pieces of the benchmark tools: environment record, timing, statistics, output files."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True)
+        return out.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def environment(device: torch.device) -> dict:
+    import mmdeform_tma
+
+    env = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "commit": git_commit(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "mmdeform_tma": mmdeform_tma.__version__,
+        "build": {k: v for k, v in vars(mmdeform_tma.build_info()).items()},
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+    }
+    for package in ("mmcv", "mmengine", "mmdet"):
+        try:
+            env[package] = __import__(package).__version__
+        except Exception:  # absent or broken: recorded as such
+            env[package] = None
+    return env
+
+
+def measure_copy_bandwidth(device: torch.device) -> float | None:
+    """Device-to-device copy bandwidth in bytes/s (read + write), the DRAM ceiling to compare with."""
+    if device.type != "cuda":
+        return None
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(10):
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return 2 * src.numel() / statistics.median(times)
+
+
+def summarize(samples_ms: list[float]) -> dict:
+    ordered = sorted(samples_ms)
+
+    def pct(q):
+        return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+    return {"median_ms": statistics.median(ordered), "p90_ms": pct(0.9), "p99_ms": pct(0.99), "samples": len(ordered)}
+
+
+def time_calls(
+    device: torch.device, calls: list[Callable[[], object]], warmup: int, iters: int, use_graphs: bool = True
+) -> tuple[list[float], str]:
+    """Time `calls` round-robin (one per rotated input set). On CUDA each call is captured in a
+    CUDA graph when possible, so host-side Python does not pad short kernels; otherwise events
+    around eager calls. Returns per-call milliseconds and the mode used."""
+    if device.type != "cuda":
+        for i in range(warmup):
+            calls[i % len(calls)]()
+        samples = []
+        for i in range(iters):
+            t0 = time.perf_counter()
+            calls[i % len(calls)]()
+            samples.append((time.perf_counter() - t0) * 1e3)
+        return samples, "cpu wall clock"
+
+    runners, mode = calls, "cuda events, eager"
+    if use_graphs:
+        try:
+            runners = [capture(call) for call in calls]
+            mode = "cuda events, graph replay"
+        except Exception:  # e.g. a backend that synchronises with the host cannot be captured
+            torch.cuda.synchronize()
+            runners, mode = calls, "cuda events, eager"
+    for i in range(warmup):
+        runners[i % len(runners)]()
+    torch.cuda.synchronize()
+    pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+    for i, (start, end) in enumerate(pairs):
+        start.record()
+        runners[i % len(runners)]()
+        end.record()
+    torch.cuda.synchronize()
+    return [start.elapsed_time(end) for start, end in pairs], mode
+
+
+def capture(call: Callable[[], object]) -> Callable[[], None]:
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):  # warm up allocations and lazy initialisation outside the graph
+            call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    return graph.replay
+
+
+def write_json(path: Path, payload: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
+
+
+def markdown_table(header: list[str], rows: list[list[object]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(str(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def console_table(header: list[str], rows: list[list[object]]) -> str:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    return "\n".join("  ".join(str(v).rjust(w) for v, w in zip(row, widths)) for row in [header, *rows])
+
+
+def progress(iterable, total: int, description: str):
+    try:
+        from tqdm import tqdm
+
+        return tqdm(iterable, total=total, desc=description, file=sys.stderr, dynamic_ncols=True)
+    except ImportError:
+        return iterable

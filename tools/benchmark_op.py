@@ -1,0 +1,371 @@
+"""Operator benchmark: every available backend, dtype and direction on Deformable DETR / DINO shapes.
+
+    python tools/benchmark_op.py                                  # all presets on the default device
+    python tools/benchmark_op.py --presets detr_enc_bs2 --dtypes float16 bfloat16
+    python tools/benchmark_op.py --batch 2 --spatial-size 100x152 --num-query 300 --num-levels 1
+    python tools/benchmark_op.py --device cpu                    # reference backend, tiny preset
+
+Times with CUDA events over CUDA-graph replays (eager when a backend cannot be captured), after
+warm-up, rotating several input sets so that the 50 MB L2 cannot hold them all. Reports median,
+p90 and p99, the relative L2 error against a float64 reference (on a query subset), achieved GB/s
+against the compulsory DRAM traffic and its floor at the measured copy bandwidth, and the speed-up
+over mmcv's kernel measured in the same run. Writes JSON, Markdown and a PNG chart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_common  # noqa: E402
+
+import mmdeform_tma  # noqa: E402
+from mmdeform_tma.reference import ms_deform_attn_reference, ms_deform_attn_reference_backward  # noqa: E402
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DIRECTIONS = ("forward", "backward", "forward+backward")
+DETR_LEVELS = [(100, 152), (50, 76), (25, 38), (13, 19)]  # 800 x 1216 input, strides 8-64: S = 20197
+DINO5_LEVELS = [(200, 334), (100, 167), (50, 84), (25, 42), (13, 21)]  # 800 x 1333, strides 4-64: S = 89023
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    levels: tuple[tuple[int, int], ...]
+    batch: int
+    queries: int | None  # None: one query per key (encoder self-attention)
+    heads: int = 8
+    channels: int = 32
+    points: int = 4
+
+    @property
+    def num_keys(self) -> int:
+        return sum(h * w for h, w in self.levels)
+
+    @property
+    def num_queries(self) -> int:
+        return self.num_keys if self.queries is None else self.queries
+
+    def describe(self) -> str:
+        return (
+            f"bs{self.batch} nq={self.num_queries} S={self.num_keys} L{len(self.levels)} P{self.points} "
+            f"H{self.heads} C{self.channels}"
+        )
+
+
+PRESETS = {
+    s.name: s
+    for s in [
+        Shape("detr_enc_bs1", tuple(DETR_LEVELS), 1, None),
+        Shape("detr_enc_bs2", tuple(DETR_LEVELS), 2, None),
+        Shape("detr_enc_bs8", tuple(DETR_LEVELS), 8, None),
+        Shape("detr_dec_bs1", tuple(DETR_LEVELS), 1, 300),
+        Shape("detr_dec_bs2", tuple(DETR_LEVELS), 2, 300),
+        Shape("detr_dec_bs8", tuple(DETR_LEVELS), 8, 300),
+        Shape("dino_enc_bs2", tuple(DETR_LEVELS), 2, None),
+        Shape("dino_dec_bs2", tuple(DETR_LEVELS), 2, 900),
+        Shape("detr_enc_bs6_p8", tuple(DETR_LEVELS), 6, None, points=8),
+        Shape("dino5_enc_bs2", tuple(DINO5_LEVELS), 2, None),
+        Shape("tiny", ((12, 16), (6, 8), (3, 4)), 1, None, heads=2, channels=8),
+    ]
+}
+DEFAULT_GPU_PRESETS = [name for name in PRESETS if name != "tiny"]
+
+
+def make_inputs(shape: Shape, dtype: torch.dtype, locality: str, device: torch.device, seed: int):
+    """value ~ N(0, 1); locations around reference points + N(0, 2 px) ('local') or uniform over
+    [-0.1, 1.1] ('uniform'); softmax attention weights. Locations and weights stay float32."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    levels = len(shape.levels)
+    shapes_t = torch.tensor(shape.levels, dtype=torch.long, device=device)
+    starts = torch.cat([shapes_t.new_zeros(1), (shapes_t[:, 0] * shapes_t[:, 1]).cumsum(0)[:-1]])
+    value = torch.randn(shape.batch, shape.num_keys, shape.heads, shape.channels, device=device, generator=g).to(dtype)
+    loc_shape = (shape.batch, shape.num_queries, shape.heads, levels, shape.points, 2)
+    if locality == "local":
+        if shape.queries is None:  # encoder: each query is a pixel; its reference point is the pixel centre
+            refs = []
+            for h, w in shape.levels:
+                ys, xs = torch.meshgrid(torch.arange(h, device=device), torch.arange(w, device=device), indexing="ij")
+                refs.append(torch.stack([(xs.flatten() + 0.5) / w, (ys.flatten() + 0.5) / h], -1))
+            ref = torch.cat(refs).view(1, -1, 1, 1, 1, 2)
+        else:
+            ref = torch.rand(shape.batch, shape.num_queries, 1, 1, 1, 2, device=device, generator=g)
+        wh = shapes_t.flip(-1).float().view(1, 1, 1, levels, 1, 2)
+        loc = ref + torch.randn(loc_shape, device=device, generator=g) * 2.0 / wh
+    else:
+        loc = torch.rand(loc_shape, device=device, generator=g) * 1.2 - 0.1
+    logits = torch.randn(shape.batch, shape.num_queries, shape.heads, levels * shape.points, device=device, generator=g)
+    attn = logits.softmax(-1).view(shape.batch, shape.num_queries, shape.heads, levels, shape.points)
+    return value, shapes_t, starts, loc.float().contiguous(), attn.contiguous()
+
+
+def compulsory_bytes(shape: Shape, dtype: torch.dtype, direction: str) -> int:
+    es = torch.tensor([], dtype=dtype).element_size()
+    value = shape.batch * shape.num_keys * shape.heads * shape.channels * es
+    points = shape.batch * shape.num_queries * shape.heads * len(shape.levels) * shape.points
+    out = shape.batch * shape.num_queries * shape.heads * shape.channels * es
+    forward = value + points * 12 + out  # value, locations (2 x fp32), weights (fp32), output
+    backward = 2 * value + 2 * points * 12 + out  # read value/loc/weights/grad_out, write their gradients
+    return {"forward": forward, "backward": backward, "forward+backward": forward + backward}[direction]
+
+
+def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    denom = b.norm().item()
+    return (a - b).norm().item() / denom if denom else (a - b).norm().item()
+
+
+def accuracy(backend: str, inputs, query_subset: int) -> dict:
+    """Errors against float64 on the first `query_subset` queries."""
+    value, shapes_t, starts, loc, attn = inputs
+    loc, attn = loc[:, :query_subset].contiguous(), attn[:, :query_subset].contiguous()
+    v = value.detach().clone().requires_grad_()
+    l = loc.clone().requires_grad_()
+    a = attn.clone().requires_grad_()
+    out = mmdeform_tma.multi_scale_deformable_attn(v, shapes_t, starts, l, a, backend=backend)
+    grad_out = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (v, l, a), grad_out)
+    exact = ms_deform_attn_reference(value.double(), shapes_t, loc.double(), attn.double())
+    exact_grads = ms_deform_attn_reference_backward(grad_out.double(), value.double(), shapes_t, loc.double(), attn.double())
+    result = {
+        "rel_err_output": rel_l2(out, exact),
+        "rounding_err_output": rel_l2(exact.to(value.dtype), exact),
+    }
+    for name, got, want in zip(("grad_value", "grad_locations", "grad_weights"), grads, exact_grads):
+        result[f"rel_err_{name}"] = rel_l2(got, want)
+    result["rounding_err_grad_value"] = rel_l2(exact_grads[0].to(value.dtype), exact_grads[0])
+    return result
+
+
+def timed_calls(backend: str, direction: str, input_sets: list) -> list:
+    calls = []
+    for value, shapes_t, starts, loc, attn in input_sets:
+        if direction == "forward":
+
+            def call(value=value, shapes_t=shapes_t, starts=starts, loc=loc, attn=attn):
+                with torch.no_grad():
+                    return mmdeform_tma.multi_scale_deformable_attn(value, shapes_t, starts, loc, attn, backend=backend)
+
+        else:
+            leaves = (value.detach().requires_grad_(), loc.detach().requires_grad_(), attn.detach().requires_grad_())
+            if direction == "backward":
+                out = mmdeform_tma.multi_scale_deformable_attn(leaves[0], shapes_t, starts, leaves[1], leaves[2], backend=backend)
+                grad_out = torch.randn_like(out)
+
+                def call(out=out, leaves=leaves, grad_out=grad_out):
+                    return torch.autograd.grad(out, leaves, grad_out, retain_graph=True)
+
+            else:
+                grad_out = torch.randn(
+                    value.shape[0], loc.shape[1], value.shape[2] * value.shape[3], device=value.device, dtype=value.dtype
+                )
+
+                def call(leaves=leaves, shapes_t=shapes_t, starts=starts, grad_out=grad_out):
+                    out = mmdeform_tma.multi_scale_deformable_attn(leaves[0], shapes_t, starts, leaves[1], leaves[2], backend=backend)
+                    return torch.autograd.grad(out, leaves, grad_out)
+
+        calls.append(call)
+    return calls
+
+
+@dataclass
+class Row:
+    preset: str
+    shape: str
+    dtype: str
+    locality: str
+    backend: str
+    direction: str
+    timing: dict = field(default_factory=dict)
+    timing_mode: str = ""
+    accuracy: dict = field(default_factory=dict)
+    bytes: int = 0
+    gbps: float = 0.0
+    floor_ms: float | None = None
+    pct_of_floor: float | None = None
+    speedup_vs_mmcv: float | None = None
+    error: str | None = None
+
+
+def explicit_shape(args) -> Shape | None:
+    if args.spatial_size is None and args.level_shapes is None:
+        return None
+    if args.level_shapes:
+        levels = tuple(tuple(int(x) for x in item.split("x")) for item in args.level_shapes)
+    else:
+        h, w = (int(x) for x in args.spatial_size.split("x"))
+        levels = tuple((max(1, math.ceil(h / 2**i)), max(1, math.ceil(w / 2**i))) for i in range(args.num_levels))
+    return Shape("custom", levels, args.batch, args.num_query, args.num_heads, args.channels, args.num_points)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default=None, help="cuda (default when available) or cpu")
+    p.add_argument("--presets", nargs="*", choices=list(PRESETS), help="default: all GPU presets, or 'tiny' on CPU")
+    p.add_argument("--backends", nargs="*", help="default: every available backend")
+    p.add_argument("--dtypes", nargs="*", choices=list(DTYPES), help="default: all three on GPU, float32 on CPU")
+    p.add_argument("--directions", nargs="*", choices=DIRECTIONS, default=list(DIRECTIONS))
+    p.add_argument("--locality", nargs="*", choices=["local", "uniform"], default=["local"])
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--spatial-size", help="HxW of the finest level, e.g. 100x152 (levels halve)")
+    p.add_argument("--level-shapes", nargs="*", help="explicit level shapes, e.g. 100x152 50x76")
+    p.add_argument("--num-query", type=int, default=None, help="default: one per key (encoder)")
+    p.add_argument("--num-heads", type=int, default=8)
+    p.add_argument("--channels", type=int, default=32, help="channels per head")
+    p.add_argument("--num-levels", type=int, default=4)
+    p.add_argument("--num-points", type=int, default=4)
+    p.add_argument("--warmup", type=int, default=None)
+    p.add_argument("--iters", type=int, default=None)
+    p.add_argument("--accuracy-queries", type=int, default=2048)
+    p.add_argument("--no-graphs", action="store_true", help="time eager calls instead of CUDA-graph replays")
+    p.add_argument("--out", type=Path, default=Path("bench_results/op"), help="output prefix (.json .md .png)")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    on_gpu = device.type == "cuda"
+    shapes = [explicit_shape(args)] if explicit_shape(args) else [PRESETS[n] for n in (args.presets or (DEFAULT_GPU_PRESETS if on_gpu else ["tiny"]))]
+    dtypes = [DTYPES[d] for d in (args.dtypes or (list(DTYPES) if on_gpu else ["float32"]))]
+    backends = args.backends or mmdeform_tma.available_backends(device)
+    warmup = args.warmup if args.warmup is not None else (10 if on_gpu else 1)
+    iters = args.iters if args.iters is not None else (50 if on_gpu else 3)
+    if not on_gpu:
+        print("no GPU: running the reference backend on the CPU (timings are CPU wall clock)", file=sys.stderr)
+
+    env = bench_common.environment(device)
+    bandwidth = bench_common.measure_copy_bandwidth(device) if on_gpu else None
+    env["copy_bandwidth_GBps"] = bandwidth / 1e9 if bandwidth else None
+    jobs = [(s, d, loc, b, direction) for s in shapes for d in dtypes for loc in args.locality for b in backends for direction in args.directions]
+    rows: list[Row] = []
+    cache = {}
+    for shape, dtype, locality, backend, direction in bench_common.progress(jobs, len(jobs), "benchmark"):
+        key = (shape.name, dtype, locality)
+        if key not in cache:
+            cache.clear()
+            torch.cuda.empty_cache() if on_gpu else None
+            probe = make_inputs(shape, dtype, locality, device, 0)
+            set_bytes = sum(t.numel() * t.element_size() for t in probe)
+            rotations = 1 if not on_gpu else max(2, min(8, math.ceil(3 * 50e6 / set_bytes)))
+            cache[key] = [probe] + [make_inputs(shape, dtype, locality, device, seed) for seed in range(1, rotations)]
+        input_sets = cache[key]
+        row = Row(shape.name, shape.describe(), str(dtype).removeprefix("torch."), locality, backend, direction)
+        try:
+            if direction == "forward":
+                row.accuracy = accuracy(backend, input_sets[0], args.accuracy_queries)
+            samples, row.timing_mode = bench_common.time_calls(
+                device, timed_calls(backend, direction, input_sets), warmup, iters, use_graphs=not args.no_graphs
+            )
+            row.timing = bench_common.summarize(samples)
+            row.bytes = compulsory_bytes(shape, dtype, direction)
+            row.gbps = row.bytes / (row.timing["median_ms"] / 1e3) / 1e9
+            if bandwidth:
+                row.floor_ms = row.bytes / bandwidth * 1e3
+                row.pct_of_floor = 100 * row.floor_ms / row.timing["median_ms"]
+        except mmdeform_tma.BackendUnavailableError as exc:
+            row.error = "unavailable: " + str(exc).splitlines()[-1].strip(" -")
+        rows.append(row)
+
+    for row in rows:
+        base = next(
+            (r for r in rows if r.backend == "mmcv" and r.timing and not r.error and (r.preset, r.dtype, r.locality, r.direction) == (row.preset, row.dtype, row.locality, row.direction)),
+            None,
+        )
+        if base and row.timing:
+            row.speedup_vs_mmcv = base.timing["median_ms"] / row.timing["median_ms"]
+
+    write_outputs(args.out, env, rows)
+    print(format_console(rows))
+    print(f"\nwrote {args.out}.json, {args.out}.md, {args.out}.png  (device: {env['device']}, commit {env['commit']})")
+    return 0
+
+
+def fmt(x, spec=".3f"):
+    return "-" if x is None else format(x, spec)
+
+
+def table_rows(rows: list[Row]) -> tuple[list[str], list[list[object]]]:
+    header = ["preset", "dtype", "backend", "direction", "median ms", "p90 ms", "p99 ms", "x mmcv", "GB/s", "% floor", "rel err", "err/rounding"]
+    out = []
+    for r in rows:
+        if r.error:
+            out.append([r.preset, r.dtype, r.backend, r.direction, r.error[:60], "", "", "", "", "", "", ""])
+            continue
+        err = r.accuracy.get("rel_err_output")
+        rounding = r.accuracy.get("rounding_err_output")
+        ratio = err / rounding if err is not None and rounding else None
+        out.append(
+            [
+                r.preset, r.dtype, r.backend, r.direction, fmt(r.timing["median_ms"], ".4f"), fmt(r.timing["p90_ms"], ".4f"),
+                fmt(r.timing["p99_ms"], ".4f"), fmt(r.speedup_vs_mmcv, ".2f"), fmt(r.gbps, ".0f"), fmt(r.pct_of_floor, ".0f"),
+                fmt(err, ".1e"), fmt(ratio, ".2f"),
+            ]
+        )
+    return header, out
+
+
+def format_console(rows: list[Row]) -> str:
+    return bench_common.console_table(*table_rows(rows))
+
+
+def write_outputs(prefix: Path, env: dict, rows: list[Row]) -> None:
+    bench_common.write_json(prefix.with_suffix(".json"), {"environment": env, "results": [asdict(r) for r in rows]})
+    header, body = table_rows(rows)
+    md = [
+        f"# Operator benchmark ({env['device']})",
+        "",
+        f"date {env['date']}, commit {env['commit']}, torch {env['torch']} (CUDA {env['torch_cuda']}), mmcv {env.get('mmcv')}, "
+        f"copy bandwidth {fmt(env.get('copy_bandwidth_GBps'), '.0f')} GB/s",
+        "",
+        "Median / p90 / p99 from CUDA events; 'x mmcv' is mmcv's median over this one, measured in the same run; "
+        "'% floor' is the compulsory-DRAM time at the measured copy bandwidth over the median; 'rel err' is the "
+        "forward's relative L2 error against float64, 'err/rounding' that error over the error of rounding the exact "
+        "result to the dtype.",
+        "",
+        bench_common.markdown_table(header, body),
+    ]
+    prefix.with_suffix(".md").write_text("\n".join(md) + "\n")
+    plot(prefix.with_suffix(".png"), env, rows)
+
+
+def plot(path: Path, env: dict, rows: list[Row]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    good = [r for r in rows if r.timing and not r.error]
+    directions = [d for d in DIRECTIONS if any(r.direction == d for r in good)]
+    if not directions:
+        return
+    fig, axes = plt.subplots(len(directions), 1, figsize=(max(8, 0.6 * len({(r.preset, r.dtype) for r in good}) + 4), 3.6 * len(directions)), squeeze=False)
+    backends = sorted({r.backend for r in good}, key=lambda b: ("mmcv", "pytorch", "cuda", "tma", "tma_ws").index(b) if b in ("mmcv", "pytorch", "cuda", "tma", "tma_ws") else 9)
+    for ax, direction in zip(axes[:, 0], directions):
+        groups = sorted({(r.preset, r.dtype) for r in good if r.direction == direction})
+        width = 0.8 / max(1, len(backends))
+        for i, backend in enumerate(backends):
+            heights = []
+            for group in groups:
+                match = [r for r in good if (r.preset, r.dtype) == group and r.backend == backend and r.direction == direction]
+                heights.append(match[0].timing["median_ms"] if match else 0.0)
+            ax.bar([g + i * width for g in range(len(groups))], heights, width, label=backend)
+        ax.set_xticks([g + 0.4 - width / 2 for g in range(len(groups))])
+        ax.set_xticklabels([f"{p}\n{d}" for p, d in groups], fontsize=7)
+        ax.set_ylabel("median ms")
+        ax.set_yscale("log")
+        ax.set_title(f"{direction} ({env['device']}, {env['commit']})", fontsize=9)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
