@@ -3,11 +3,13 @@
 import pytest
 import torch
 
-import mmdeform_tma  # noqa: F401  (registers the ops)
+import mmdeform_tma
+from mmdeform_tma import library
 from mmdeform_tma.reference import ms_deform_attn_reference
 from msda_cases import make_problem, rel_l2
 
 ops = torch.ops.mmdeform_tma
+needs_extension = pytest.mark.skipif(not library.OPS_LOADED, reason="mmdeform_tma._C is not built here")
 
 
 @pytest.fixture
@@ -17,6 +19,7 @@ def problem(generator):
     return p
 
 
+@needs_extension
 def test_schema():
     fwd = str(ops.ms_deform_attn_forward.default._schema)
     bwd = str(ops.ms_deform_attn_backward.default._schema)
@@ -25,27 +28,32 @@ def test_schema():
     assert "bool deterministic) -> (Tensor, Tensor, Tensor)" in bwd
 
 
+@needs_extension
 def test_cpu_kernel_is_the_reference(problem):
     out = ops.ms_deform_attn_forward(*problem.args(), "pytorch", -1)
     expected = ms_deform_attn_reference(problem.value, problem.spatial_shapes, problem.sampling_locations, problem.attention_weights)
     assert rel_l2(out, expected) == 0.0
 
 
+@needs_extension
 def test_cpu_kernel_refuses_cuda_backends(problem):
     with pytest.raises(RuntimeError, match="backend 'tma_ws' runs on CUDA"):
         ops.ms_deform_attn_forward(*problem.args(), "tma_ws", -1)
 
 
+@needs_extension
 def test_opcheck_forward(problem):
     problem.requires_grad_()
     torch.library.opcheck(ops.ms_deform_attn_forward.default, (*problem.args(), "pytorch", -1))
 
 
+@needs_extension
 def test_opcheck_backward(problem):
     grad = torch.randn(2, 3, 8, dtype=torch.float64)
     torch.library.opcheck(ops.ms_deform_attn_backward.default, (grad, *problem.args(), "pytorch", -1, False))
 
 
+@needs_extension
 def test_autograd_through_the_op_matches_reference(problem):
     problem.requires_grad_()
     grad = torch.randn(2, 3, 8, dtype=torch.float64)
@@ -57,12 +65,14 @@ def test_autograd_through_the_op_matches_reference(problem):
         assert rel_l2(g, w) < 1e-12
 
 
+@needs_extension
 def test_gradcheck_through_the_op(problem):
     problem.requires_grad_()
     fn = lambda v, loc, attn: ops.ms_deform_attn_forward(v, problem.spatial_shapes, problem.level_start_index, loc, attn, "pytorch", -1)
     assert torch.autograd.gradcheck(fn, (problem.value, problem.sampling_locations, problem.attention_weights), eps=1e-6, atol=1e-7)
 
 
+@needs_extension
 def test_fake_tensor_shapes(problem):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -74,6 +84,7 @@ def test_fake_tensor_shapes(problem):
     assert [g.shape for g in grads] == [t.shape for t in (problem.value, problem.sampling_locations, problem.attention_weights)]
 
 
+@needs_extension
 def test_torch_compile_fullgraph(problem):
     torch._dynamo.reset()
 

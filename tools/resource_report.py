@@ -110,6 +110,7 @@ def compile_command(source: Path, gencode: list[str], setup, shim: list[str]) ->
         "-o",
         os.devnull,
         *setup.NVCC_FLAGS,
+        "-std=c++20",
         *setup.cuda_defines(arch_names),
         *gencode,
         "-Xptxas=-v",

@@ -11,6 +11,9 @@
 #ifndef MMDEFORM_TMA_WITH_CUDA
 #define MMDEFORM_TMA_WITH_CUDA 0
 #endif
+#if MMDEFORM_TMA_WITH_CUDA
+#include <cuda.h>  // CUDA_VERSION
+#endif
 #ifndef MMDEFORM_TMA_WITH_HOPPER
 #define MMDEFORM_TMA_WITH_HOPPER 0
 #endif

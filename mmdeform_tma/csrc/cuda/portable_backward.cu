@@ -12,7 +12,9 @@ namespace portable {
 static const KernelConfigRegistration kBackwardConfigs("cuda", "backward", config_names());
 
 Gradients backward(const ProblemTensors& problem, const at::Tensor& grad_output, int64_t config, bool deterministic) {
-  auto [grad_locations, grad_weights] = coordinate_gradients(problem);
+  const auto coordinate_grads = coordinate_gradients(problem);
+  const at::Tensor& grad_locations = coordinate_grads.first;
+  const at::Tensor& grad_weights = coordinate_grads.second;
   ValueGradient grad_value(problem, grad_output, deterministic);
   if (problem.empty_output() || problem.levels == 0 || problem.points == 0) {
     grad_locations.zero_();
