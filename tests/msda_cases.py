@@ -144,12 +144,13 @@ def loop_reference(value, spatial_shapes, sampling_locations, attention_weights)
     return out.view(bs, queries, heads * channels)
 
 
-def _corners(spatial_shapes, level_start_index, sampling_locations):
+def _corners(spatial_shapes, level_start_index, sampling_locations, coord_dtype=torch.float64):
     """For each of the four bilinear corners of every sampling point: (valid, key, bilinear weight),
-    each shaped (bs, queries, heads, levels, points); weights in float64 and differentiable."""
-    loc = sampling_locations.double()
+    each shaped (bs, queries, heads, levels, points); the geometry in `coord_dtype`, the weights
+    returned in float64 and differentiable."""
+    loc = sampling_locations.to(coord_dtype)
     levels = loc.shape[3]
-    hw = spatial_shapes.to(loc.device).double()
+    hw = spatial_shapes.to(loc.device).to(coord_dtype)
     height = hw[:, 0].view(1, 1, 1, levels, 1)
     width = hw[:, 1].view(1, 1, 1, levels, 1)
     start = level_start_index.to(loc.device).view(1, 1, 1, levels, 1)
@@ -163,7 +164,7 @@ def _corners(spatial_shapes, level_start_index, sampling_locations):
             yy, xx = y0 + dy, x0 + dx
             valid = inside & (yy >= 0) & (yy < height) & (xx >= 0) & (xx < width)
             key = torch.where(valid, start + yy.clamp(min=0).long() * width.long() + xx.clamp(min=0).long(), 0)
-            yield valid, key, wy * wx
+            yield valid, key, (wy * wx).double()
 
 
 def _batch_head_index(shape, device):
@@ -173,14 +174,17 @@ def _batch_head_index(shape, device):
     return b, h
 
 
-def gather_reference(value, spatial_shapes, level_start_index, sampling_locations, attention_weights) -> torch.Tensor:
-    """The same arithmetic vectorised with explicit corner gathers: float64 math, any device, int64
-    indexing straight into `value` (no copy of it), differentiable."""
+def gather_reference(
+    value, spatial_shapes, level_start_index, sampling_locations, attention_weights, coord_dtype=torch.float64
+) -> torch.Tensor:
+    """The same arithmetic vectorised with explicit corner gathers: float64 math (the sampling
+    geometry in `coord_dtype`, float32 to mimic a float32 kernel), any device, int64 indexing
+    straight into `value` (no copy of it), differentiable."""
     bs, _, heads, channels = value.shape
     queries = sampling_locations.shape[1]
     attn = attention_weights.double()
     out = torch.zeros(bs, queries, heads, channels, dtype=torch.float64, device=value.device)
-    for valid, key, bilinear in _corners(spatial_shapes, level_start_index, sampling_locations):
+    for valid, key, bilinear in _corners(spatial_shapes, level_start_index, sampling_locations, coord_dtype):
         b, h = _batch_head_index(key.shape, value.device)
         gathered = value[b, key, h].double()  # (bs, queries, heads, levels, points, channels)
         weight = torch.where(valid, attn * bilinear, 0.0)

@@ -2,7 +2,10 @@
 
 Accuracy rules (relative L2 against float64 on the same rounded inputs):
   - float32 results: at most 1e-5;
-  - float16 / bfloat16 results: at most 1.5x the error of rounding the exact result to that dtype.
+  - float16 / bfloat16 results: at most 1.5x the error of rounding the exact result to that dtype;
+  - gradients of locations and weights may also reach 2x the error of the same computation with
+    float32 sampling geometry (FA3's rule): with levels thousands of pixels wide, a float32
+    location only resolves ~1e-4 of a pixel, which no float32 kernel can beat.
 """
 
 from __future__ import annotations
@@ -55,11 +58,20 @@ def tolerance(dtype: torch.dtype, exact: torch.Tensor) -> float:
     return 1e-5
 
 
-def check(actual: torch.Tensor, exact: torch.Tensor, what: str) -> None:
+def check(actual: torch.Tensor, exact: torch.Tensor, what: str, same_dtype_reference: torch.Tensor | None = None) -> None:
     assert actual.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64)
     assert torch.isfinite(actual).all(), f"{what}: non-finite values"
     err, tol = rel_l2(actual, exact), tolerance(actual.dtype, exact)
+    if same_dtype_reference is not None:
+        tol = max(tol, 2 * rel_l2(same_dtype_reference, exact))
     assert err <= tol, f"{what}: relative L2 error {err:.3e} > {tol:.3e}"
+
+
+def float32_geometry_grads(problem, grad_output):
+    """Gradients from the float64 gather reference with float32 sampling geometry."""
+    inputs = [t.detach().double().requires_grad_() for t in (problem.value, problem.sampling_locations, problem.attention_weights)]
+    out = gather_reference(inputs[0], problem.spatial_shapes, problem.level_start_index, inputs[1], inputs[2], coord_dtype=torch.float32)
+    return torch.autograd.grad(out, inputs, grad_output.double())
 
 
 def cuda_problem(case, dtype, seed=0):
@@ -85,12 +97,13 @@ def test_forward_and_backward_against_float64(backend, dtype, case):
     grad_output = torch.randn_like(out)
     grads = torch.autograd.grad(out, (problem.value, problem.sampling_locations, problem.attention_weights), grad_output)
     exact_grads = torch.autograd.grad(exact, exact_inputs, grad_output.double())
-    for name, got, want, source in zip(
+    geometry32 = float32_geometry_grads(problem, grad_output)
+    for i, (name, got, want, source) in enumerate(zip(
         ("grad_value", "grad_locations", "grad_weights"), grads, exact_grads,
         (problem.value, problem.sampling_locations, problem.attention_weights),
-    ):
+    )):
         assert got.dtype == source.dtype and got.shape == source.shape
-        check(got, want, name)
+        check(got, want, name, geometry32[i] if i > 0 else None)
 
 
 @pytest.mark.parametrize("backend", COMPILED_BACKENDS)
@@ -160,7 +173,7 @@ def test_inconsistent_device_geometry_poisons_output(backend):
     bad[0, 1] += 1  # the GPU copy disagrees with value's num_keys; not checked on the host
     out = mmdeform_tma.multi_scale_deformable_attn(problem.value, bad, problem.level_start_index, problem.sampling_locations, problem.attention_weights, backend=backend)
     assert torch.isnan(out).all()
-    with mmdeform_tma.strict_validation_enabled(True), pytest.raises(ValueError, match="cover"):
+    with mmdeform_tma.strict_validation_enabled(True), pytest.raises(ValueError, match="does not match spatial_shapes"):
         mmdeform_tma.multi_scale_deformable_attn(problem.value, bad, problem.level_start_index, problem.sampling_locations, problem.attention_weights, backend=backend)
 
 
@@ -215,4 +228,7 @@ def test_more_than_2_pow_31_elements(backend):
     assert torch.count_nonzero(grad_value[0, untouched]) == 0
     loc_exact = loc.detach().double().requires_grad_()
     (want,) = torch.autograd.grad(gather_reference(value.detach(), shapes, starts, loc_exact, attn), loc_exact, grad_output.double())
-    check(grad_loc, want, "grad_locations")
+    loc32 = loc.detach().double().requires_grad_()
+    out32 = gather_reference(value.detach(), shapes, starts, loc32, attn, coord_dtype=torch.float32)
+    (geometry32,) = torch.autograd.grad(out32, loc32, grad_output.double())
+    check(grad_loc, want, "grad_locations", geometry32)

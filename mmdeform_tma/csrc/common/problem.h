@@ -53,7 +53,7 @@ struct ProblemTensors {
   Problem<scalar_t> problem() const {
     using coord_t = coord_type<scalar_t>;
     return Problem<scalar_t>{
-        value.data_ptr<scalar_t>(),
+        reinterpret_cast<const scalar_t*>(value.data_ptr()),  // scalar_t is a CUDA type (__half, ...)
         spatial_shapes.data_ptr<int64_t>(),
         level_start_index.data_ptr<int64_t>(),
         sampling_locations.data_ptr<coord_t>(),
