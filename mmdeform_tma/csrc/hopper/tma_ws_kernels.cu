@@ -188,6 +188,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) tma_ws_kernel(
     return;
   }
 
+  sink.prepare();
   acc_t acc[VEC];
   acc_t go[VEC];
 #pragma unroll
