@@ -96,9 +96,10 @@ def time_calls(
         try:
             runners = [capture(call) for call in calls]
             mode = "cuda events, graph replay"
-        except Exception:  # e.g. a backend that synchronises with the host cannot be captured
+        except Exception as exc:  # e.g. a call that synchronises with the host cannot be captured
             torch.cuda.synchronize()
-            runners, mode = calls, "cuda events, eager"
+            runners, mode = calls, f"cuda events, eager (graph capture failed: {type(exc).__name__}: {str(exc)[:120]})"
+            print(f"warning: {mode}", file=sys.stderr)
     for i in range(warmup):
         runners[i % len(runners)]()
     torch.cuda.synchronize()

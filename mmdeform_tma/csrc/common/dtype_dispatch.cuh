@@ -26,6 +26,6 @@
         return __VA_ARGS__();                                                            \
       }                                                                                  \
       default:                                                                           \
-        TORCH_CHECK(false, WHAT, ": value dtype ", DTYPE, " is not supported");          \
+        TORCH_CHECK(false, WHAT, ": value dtype ", c10::toString(DTYPE), " is not supported"); \
     }                                                                                    \
   }()

@@ -9,6 +9,14 @@
 
 namespace mmdeform_tma {
 
+// Error messages format numbers, shapes and devices with these (std::to_string), never through an
+// ostream: on the GPU image (GCC 13 against torch 2.11's libstdc++) std::ostream's integer
+// formatting inside this extension crashed while TORCH_CHECK built its message.
+inline std::string num(int64_t v) { return std::to_string(v); }
+std::string shape_string(at::IntArrayRef sizes);
+inline std::string device_string(const at::Device& device) { return device.str(); }
+inline const char* dtype_string(at::ScalarType type) { return c10::toString(type); }
+
 // Locations, weights and all index/weight arithmetic use fp32, or fp64 for an fp64 value (gradcheck).
 template <typename scalar_t>
 struct CoordTraits {

@@ -11,6 +11,8 @@
 #include <string>
 #include <vector>
 
+#include "../common/problem.h"
+
 namespace mmdeform_tma {
 namespace portable {
 
@@ -95,15 +97,15 @@ inline TeamLayout default_team_layout(int channels, int element_size, int alignm
     TeamLayout layout = team_layout(config, channels, element_size, alignment, &why);
     if (layout.vec != 0) return layout;
   }
-  TORCH_CHECK(false, "mmdeform_tma cuda: no kernel layout for ", channels, " channels");
+  TORCH_CHECK(false, "mmdeform_tma cuda: no kernel layout for ", num(channels), " channels");
 }
 
 inline TeamLayout choose_team_layout(int64_t config, int channels, int element_size, int alignment) {
   if (config < 0) return default_team_layout(channels, element_size, alignment);
-  TORCH_CHECK(config < static_cast<int64_t>(configs().size()), "mmdeform_tma cuda: config ", config, " out of range");
+  TORCH_CHECK(config < static_cast<int64_t>(configs().size()), "mmdeform_tma cuda: config ", num(config), " out of range");
   std::string why;
   TeamLayout layout = team_layout(configs()[config], channels, element_size, alignment, &why);
-  TORCH_CHECK(layout.vec != 0, "mmdeform_tma cuda: config ", configs()[config].name, " cannot run ", channels,
+  TORCH_CHECK(layout.vec != 0, "mmdeform_tma cuda: config ", configs()[config].name, " cannot run ", num(channels),
               " channels: ", why);
   return layout;
 }

@@ -1,5 +1,7 @@
 #include "tensor_map.h"
 
+#include "../common/problem.h"
+
 #include <c10/cuda/CUDAException.h>
 #include <c10/util/Exception.h>
 #include <cuda_runtime.h>
@@ -37,7 +39,7 @@ CUtensorMapDataType tma_dtype(at::ScalarType type) {
     case at::kDouble:
       return CU_TENSOR_MAP_DATA_TYPE_FLOAT64;
     default:
-      TORCH_CHECK(false, "mmdeform_tma: no TMA type for ", type);
+      TORCH_CHECK(false, "mmdeform_tma: no TMA type for ", c10::toString(type));
   }
 }
 
@@ -57,8 +59,9 @@ CUtensorMap value_tensor_map(const at::Tensor& value) {
       &map, tma_dtype(value.scalar_type()), 2, value.data_ptr(), dims, strides, box, element_strides,
       CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
       CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  TORCH_CHECK(result == CUDA_SUCCESS, "mmdeform_tma: cuTensorMapEncodeTiled failed with error ", static_cast<int>(result),
-              " for value ", value.sizes(), " (", value.scalar_type(), ")");
+  TORCH_CHECK(result == CUDA_SUCCESS, "mmdeform_tma: cuTensorMapEncodeTiled failed with error ",
+              num(static_cast<int>(result)), " for value ", shape_string(value.sizes()), " (",
+              c10::toString(value.scalar_type()), ")");
   return map;
 }
 
@@ -69,14 +72,14 @@ void require_hopper(const std::string& backend) {
   C10_CUDA_CHECK(cudaGetDevice(&device));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
   TORCH_CHECK(major == 9, "mmdeform_tma ", backend, ": sm_90a kernels need a compute capability 9.x GPU, device ",
-              device, " is ", major, ".x");
+              num(device), " is ", num(major), ".x");
 }
 
 void require_tma_channels(const at::Tensor& value, const std::string& backend) {
   const int64_t bytes = value.size(3) * value.element_size();
   TORCH_CHECK(bytes == 16 || bytes == 32 || bytes == 64 || bytes == 128 || bytes == 256, "mmdeform_tma ", backend,
-              ": a head's channels must span 16, 32, 64, 128 or 256 bytes, got ", value.size(3), " x ",
-              value.element_size(), " B");
+              ": a head's channels must span 16, 32, 64, 128 or 256 bytes, got ", num(value.size(3)), " x ",
+              num(value.element_size()), " B");
 }
 
 }  // namespace hopper

@@ -209,7 +209,7 @@ void check_tma_problem(const ProblemTensors& problem, const char* what) {
 
 Config choose_config(int64_t config) {
   if (config < 0) return configs()[0];
-  TORCH_CHECK(config < static_cast<int64_t>(configs().size()), "mmdeform_tma tma: config ", config, " out of range");
+  TORCH_CHECK(config < static_cast<int64_t>(configs().size()), "mmdeform_tma tma: config ", num(config), " out of range");
   return configs()[config];
 }
 

@@ -247,7 +247,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) tma_ws_kernel(
 
 Config choose_config(int64_t config) {
   if (config < 0) return configs()[0];
-  TORCH_CHECK(config < static_cast<int64_t>(configs().size()), "mmdeform_tma tma_ws: config ", config, " out of range");
+  TORCH_CHECK(config < static_cast<int64_t>(configs().size()), "mmdeform_tma tma_ws: config ", num(config), " out of range");
   return configs()[config];
 }
 
