@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -18,6 +19,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def git_commit() -> str:
+    """The checkout's commit; MMDEFORM_TMA_COMMIT names it where the tree travelled without .git."""
+    if os.environ.get("MMDEFORM_TMA_COMMIT"):
+        return os.environ["MMDEFORM_TMA_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True)
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True)

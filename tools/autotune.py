@@ -1,0 +1,154 @@
+"""Autotune the compiled backends' kernel variants and write the table the backends read at run time.
+
+    python tools/autotune.py                                   # standard DETR / DINO shapes, all dtypes
+    python tools/autotune.py --presets detr_enc_bs2 --backends tma_ws --dtypes float16
+
+For every (shape, dtype, backend, direction) it runs each compiled variant ("config") once on a
+query subset against float64 and rejects every config that fails the accuracy rules or raises,
+then times the survivors (CUDA-graph replays, rotated inputs) and keeps the best few. The result
+is merged into mmdeform_tma/tuning_tables/<device>.json (or --table); 'auto' and the kernels'
+config choice follow it (mmdeform_tma/tuning.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import re
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_common  # noqa: E402
+from benchmark_op import DTYPES, PRESETS, make_inputs, rel_l2  # noqa: E402
+
+import mmdeform_tma  # noqa: E402
+from mmdeform_tma import _extension, tuning  # noqa: E402
+from mmdeform_tma.reference import ms_deform_attn_reference, ms_deform_attn_reference_backward  # noqa: E402
+
+ops = torch.ops.mmdeform_tma
+STANDARD_PRESETS = ["detr_enc_bs2", "detr_enc_bs8", "detr_dec_bs2", "dino_dec_bs2", "detr_enc_bs6_p8", "dino5_enc_bs2"]
+
+
+def device_slug(name: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
+
+
+def accurate(dtype: torch.dtype, err: float, rounding: float) -> bool:
+    return err <= (1.5 * rounding + 1e-12 if dtype in (torch.float16, torch.bfloat16) else 1e-5)
+
+
+def check_config(backend: str, direction: str, config: int, inputs, queries: int) -> str | None:
+    """None when the config computes the right result on a query subset, else why not."""
+    value, shapes_t, starts, loc, attn = inputs
+    loc, attn = loc[:, :queries].contiguous(), attn[:, :queries].contiguous()
+    try:
+        out = ops.ms_deform_attn_forward(value, shapes_t, starts, loc, attn, backend, config if direction == "forward" else -1)
+        exact = ms_deform_attn_reference(value.double(), shapes_t, loc.double(), attn.double())
+        if direction == "forward":
+            err, rounding = rel_l2(out, exact), rel_l2(exact.to(value.dtype), exact)
+            return None if accurate(value.dtype, err, rounding) else f"output error {err:.2e}"
+        grad = torch.randn(out.shape, device=out.device, dtype=out.dtype, generator=torch.Generator(out.device).manual_seed(3))
+        got = ops.ms_deform_attn_backward(grad, value, shapes_t, starts, loc, attn, backend, config, False)
+        want = ms_deform_attn_reference_backward(grad.double(), value.double(), shapes_t, loc.double(), attn.double())
+        err, rounding = rel_l2(got[0], want[0]), rel_l2(want[0].to(value.dtype), want[0])
+        if not accurate(value.dtype, err, rounding):
+            return f"grad_value error {err:.2e}"
+        err = rel_l2(got[2], want[2])
+        return None if err <= 1e-4 else f"grad_weights error {err:.2e}"
+    except RuntimeError as exc:
+        return f"raised {str(exc).splitlines()[0][:100]}"
+
+
+def config_calls(backend: str, direction: str, config: int, input_sets: list) -> list:
+    g = torch.Generator(device=input_sets[0][0].device).manual_seed(5)
+    calls = []
+    for value, shapes_t, starts, loc, attn in input_sets:
+        if direction == "forward":
+            calls.append(lambda v=value, s=shapes_t, st=starts, l=loc, a=attn: ops.ms_deform_attn_forward(v, s, st, l, a, backend, config))
+        else:
+            grad = torch.randn(value.shape[0], loc.shape[1], value.shape[2] * value.shape[3], device=value.device, dtype=value.dtype, generator=g)
+            calls.append(
+                lambda gr=grad, v=value, s=shapes_t, st=starts, l=loc, a=attn: ops.ms_deform_attn_backward(gr, v, s, st, l, a, backend, config, False)
+            )
+    return calls
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--presets", nargs="*", choices=list(PRESETS), default=STANDARD_PRESETS)
+    p.add_argument("--backends", nargs="*", default=["cuda", "tma", "tma_ws"])
+    p.add_argument("--dtypes", nargs="*", choices=list(DTYPES), default=list(DTYPES))
+    p.add_argument("--directions", nargs="*", choices=["forward", "backward"], default=["forward", "backward"])
+    p.add_argument("--keep", type=int, default=3, help="configs kept per entry")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--check-queries", type=int, default=512)
+    p.add_argument("--table", type=Path, help="table to merge into (default: the package's table for this GPU)")
+    p.add_argument("--report", type=Path, default=Path("bench_results/autotune.json"))
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("autotune needs a CUDA GPU", file=sys.stderr)
+        return 2
+    device = torch.device("cuda")
+    name = torch.cuda.get_device_name(device)
+    table_path = args.table or tuning.TABLE_DIR / f"{device_slug(name)}.json"
+    table = json.loads(table_path.read_text()) if table_path.exists() else {"format": tuning.TABLE_FORMAT, "device": name, "entries": []}
+    entries = {(e["key"], e["backend"], e["direction"]): e for e in table["entries"]}
+    env = bench_common.environment(device)
+    report = []
+
+    for preset in args.presets:
+        shape = PRESETS[preset]
+        for dtype in (DTYPES[d] for d in args.dtypes):
+            input_sets = [make_inputs(shape, dtype, "local", device, seed) for seed in range(3)]
+            v, s, st, l, a = input_sets[0]
+            inputs = mmdeform_tma.inputs.validate(v, s, st, l, a)
+            key = tuning.inputs_key(inputs)
+            for backend in args.backends:
+                reasons = mmdeform_tma.get_backend(backend).not_supported_reasons(inputs)
+                if reasons:
+                    print(f"{preset} {dtype} {backend}: skipped ({reasons[0]})")
+                    continue
+                for direction in args.directions:
+                    results = []
+                    for index, config_name in enumerate(_extension.kernel_configs(backend, direction)):
+                        problem = check_config(backend, direction, index, input_sets[0], args.check_queries)
+                        if problem:
+                            results.append({"config": config_name, "rejected": problem})
+                            continue
+                        samples, mode = bench_common.time_calls(device, config_calls(backend, direction, index, input_sets), args.warmup, args.iters)
+                        results.append({"config": config_name, **bench_common.summarize(samples), "timing": mode})
+                    timed = sorted((r for r in results if "median_ms" in r), key=lambda r: r["median_ms"])
+                    if timed:
+                        entries[(key, backend, direction)] = {
+                            "key": key,
+                            "backend": backend,
+                            "direction": direction,
+                            "preset": preset,
+                            "best": [{"config": r["config"], "ms": round(r["median_ms"], 5)} for r in timed[: args.keep]],
+                        }
+                    default = next((r for r in results if r["config"] == _extension.kernel_configs(backend, direction)[0]), {})
+                    best = timed[0] if timed else {}
+                    print(
+                        f"{preset:>16} {str(dtype)[6:]:>8} {backend:>6} {direction:>8}: best {best.get('config')} "
+                        f"{best.get('median_ms', float('nan')):.4f} ms (default {default.get('median_ms', float('nan')):.4f} ms), "
+                        f"{sum('rejected' in r for r in results)} rejected of {len(results)}"
+                    )
+                    report.append({"preset": preset, "dtype": str(dtype), "backend": backend, "direction": direction, "key": key, "results": results})
+
+    table["entries"] = sorted(entries.values(), key=lambda e: (e["key"], e["backend"], e["direction"]))
+    table["updated"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    table["commit"] = env["commit"]
+    table_path.parent.mkdir(parents=True, exist_ok=True)
+    table_path.write_text(json.dumps(table, indent=1) + "\n")
+    bench_common.write_json(args.report, {"environment": env, "runs": report})
+    print(f"wrote {table_path} ({len(table['entries'])} entries) and {args.report}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

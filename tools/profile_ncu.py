@@ -1,0 +1,106 @@
+"""Profile the MSDA kernels with Nsight Compute and summarise what limits them.
+
+    python tools/profile_ncu.py --preset detr_enc_bs2 --dtype float16
+
+Runs ncu (--clock-control none: the card's clocks stay as they are) on one forward and one
+backward of every available compiled backend and of mmcv, and prints per kernel: duration, DRAM
+throughput, L2 and L1 hit rates, L2 throughput, achieved occupancy and the top warp stall reasons.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+METRICS = {
+    "gpu__time_duration.sum": "us",
+    "dram__throughput.avg.pct_of_peak_sustained_elapsed": "DRAM %",
+    "lts__t_sector_hit_rate.pct": "L2 hit %",
+    "l1tex__t_sector_hit_rate.pct": "L1 hit %",
+    "lts__throughput.avg.pct_of_peak_sustained_elapsed": "L2 thru %",
+    "sm__warps_active.avg.pct_of_peak_sustained_active": "occupancy %",
+    "sm__inst_executed.avg.per_cycle_active": "IPC",
+}
+STALLS = [
+    "long_scoreboard", "short_scoreboard", "mio_throttle", "lg_throttle", "barrier", "membar", "wait",
+    "math_pipe_throttle", "not_selected", "no_instruction", "drain", "dispatch_stall", "tex_throttle", "branch_resolving",
+    "sleeping", "misc",
+]
+STALL_METRICS = [f"smsp__average_warps_issue_stalled_{s}_per_issue_active.ratio" for s in STALLS]
+KERNELS = "regex:forward_kernel|backward_kernel|tma_kernel|tma_ws_kernel|ms_deformable"
+
+
+def child(args) -> None:
+    """The profiled process: one forward and one backward per backend, after a warm-up."""
+    import mmdeform_tma
+    from benchmark_op import DTYPES, PRESETS, make_inputs
+
+    device = torch.device("cuda")
+    value, shapes_t, starts, loc, attn = make_inputs(PRESETS[args.preset], DTYPES[args.dtype], "local", device, 0)
+    leaves = [value.requires_grad_(), loc.requires_grad_(), attn.requires_grad_()]
+    for backend in args.backends:
+        for _ in range(2):  # the second iteration is the one profiled (launch-skip below)
+            out = mmdeform_tma.multi_scale_deformable_attn(leaves[0], shapes_t, starts, leaves[1], leaves[2], backend=backend)
+            torch.autograd.grad(out, leaves, torch.ones_like(out))
+        torch.cuda.synchronize()
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="detr_enc_bs2")
+    p.add_argument("--dtype", default="float16")
+    p.add_argument("--backends", nargs="*", default=None)
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--out", type=Path, default=Path("bench_results/ncu.csv"))
+    args = p.parse_args(argv)
+    if args.backends is None:
+        import mmdeform_tma
+
+        args.backends = [b for b in ("cuda", "tma", "tma_ws", "mmcv") if b in mmdeform_tma.available_backends("cuda")]
+    if args.child:
+        child(args)
+        return 0
+    ncu = shutil.which("ncu")
+    if ncu is None:
+        print("ncu (Nsight Compute) is not on PATH", file=sys.stderr)
+        return 2
+    command = [
+        ncu, "--clock-control", "none", "--target-processes", "all", "--kernel-name", KERNELS,
+        "--metrics", ",".join([*METRICS, *STALL_METRICS]), "--csv", "--page", "raw",
+        sys.executable, __file__, "--child", "--preset", args.preset, "--dtype", args.dtype, "--backends", *args.backends,
+    ]
+    result = subprocess.run(command, capture_output=True, text=True)
+    text = result.stdout[result.stdout.find('"ID"'):] if '"ID"' in result.stdout else ""
+    if result.returncode != 0 or not text:
+        print(result.stdout[-3000:], result.stderr[-3000:], file=sys.stderr)
+        return 1
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(text)
+    rows = list(csv.DictReader(io.StringIO(text)))[1:]  # the first row holds units
+    seen = {}
+    for row in rows:  # keep the last (warm) launch of each kernel name
+        seen[row["Kernel Name"][:90]] = row
+    header = ["kernel", *METRICS.values(), "top stalls (cycles per issue)"]
+    table = []
+    for name, row in seen.items():
+        values = [f"{float(row[m]):.1f}" if row.get(m, "").replace(".", "", 1).isdigit() else row.get(m, "-") for m in METRICS]
+        stalls = sorted(((float(row[m]), s) for m, s in zip(STALL_METRICS, STALLS) if row.get(m)), reverse=True)[:3]
+        table.append([name, *values, ", ".join(f"{s} {v:.1f}" for v, s in stalls)])
+    import bench_common
+
+    print(bench_common.console_table(header, table))
+    print(f"\nraw metrics: {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
