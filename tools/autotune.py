@@ -41,26 +41,35 @@ def accurate(dtype: torch.dtype, err: float, rounding: float) -> bool:
     return err <= (1.5 * rounding + 1e-12 if dtype in (torch.float16, torch.bfloat16) else 1e-5)
 
 
-def check_config(backend: str, direction: str, config: int, inputs, queries: int) -> str | None:
-    """None when the config computes the right result on a query subset, else why not."""
-    value, shapes_t, starts, loc, attn = inputs
-    loc, attn = loc[:, :queries].contiguous(), attn[:, :queries].contiguous()
-    try:
-        out = ops.ms_deform_attn_forward(value, shapes_t, starts, loc, attn, backend, config if direction == "forward" else -1)
-        exact = ms_deform_attn_reference(value.double(), shapes_t, loc.double(), attn.double())
-        if direction == "forward":
-            err, rounding = rel_l2(out, exact), rel_l2(exact.to(value.dtype), exact)
-            return None if accurate(value.dtype, err, rounding) else f"output error {err:.2e}"
-        grad = torch.randn(out.shape, device=out.device, dtype=out.dtype, generator=torch.Generator(out.device).manual_seed(3))
-        got = ops.ms_deform_attn_backward(grad, value, shapes_t, starts, loc, attn, backend, config, False)
-        want = ms_deform_attn_reference_backward(grad.double(), value.double(), shapes_t, loc.double(), attn.double())
-        err, rounding = rel_l2(got[0], want[0]), rel_l2(want[0].to(value.dtype), want[0])
-        if not accurate(value.dtype, err, rounding):
-            return f"grad_value error {err:.2e}"
-        err = rel_l2(got[2], want[2])
-        return None if err <= 1e-4 else f"grad_weights error {err:.2e}"
-    except RuntimeError as exc:
-        return f"raised {str(exc).splitlines()[0][:100]}"
+class Checker:
+    """The float64 answers on a query subset, computed once and compared with every config."""
+
+    def __init__(self, inputs, queries: int):
+        value, shapes_t, starts, loc, attn = inputs
+        self.args = (value, shapes_t, starts, loc[:, :queries].contiguous(), attn[:, :queries].contiguous())
+        value, shapes_t, _, loc, attn = self.args
+        g = torch.Generator(value.device).manual_seed(3)
+        self.exact = ms_deform_attn_reference(value.double(), shapes_t, loc.double(), attn.double())
+        self.grad = torch.randn(self.exact.shape, device=value.device, generator=g).to(value.dtype)
+        self.exact_grads = ms_deform_attn_reference_backward(self.grad.double(), value.double(), shapes_t, loc.double(), attn.double())
+
+    def problem(self, backend: str, direction: str, config: int) -> str | None:
+        """None when the config computes the right result, else why not."""
+        dtype = self.args[0].dtype
+        try:
+            if direction == "forward":
+                out = ops.ms_deform_attn_forward(*self.args, backend, config)
+                err, rounding = rel_l2(out, self.exact), rel_l2(self.exact.to(dtype), self.exact)
+                return None if accurate(dtype, err, rounding) else f"output error {err:.2e}"
+            got = ops.ms_deform_attn_backward(self.grad, *self.args, backend, config, False)
+            want = self.exact_grads
+            err, rounding = rel_l2(got[0], want[0]), rel_l2(want[0].to(dtype), want[0])
+            if not accurate(dtype, err, rounding):
+                return f"grad_value error {err:.2e}"
+            err = rel_l2(got[2], want[2])
+            return None if err <= 1e-4 else f"grad_weights error {err:.2e}"
+        except RuntimeError as exc:
+            return f"raised {str(exc).splitlines()[0][:100]}"
 
 
 def config_calls(backend: str, direction: str, config: int, input_sets: list) -> list:
@@ -105,6 +114,7 @@ def main(argv=None) -> int:
         shape = PRESETS[preset]
         for dtype in (DTYPES[d] for d in args.dtypes):
             input_sets = [make_inputs(shape, dtype, "local", device, seed) for seed in range(3)]
+            checker = Checker(input_sets[0], args.check_queries)
             v, s, st, l, a = input_sets[0]
             inputs = mmdeform_tma.inputs.validate(v, s, st, l, a)
             key = tuning.inputs_key(inputs)
@@ -116,7 +126,7 @@ def main(argv=None) -> int:
                 for direction in args.directions:
                     results = []
                     for index, config_name in enumerate(_extension.kernel_configs(backend, direction)):
-                        problem = check_config(backend, direction, index, input_sets[0], args.check_queries)
+                        problem = checker.problem(backend, direction, index)
                         if problem:
                             results.append({"config": config_name, "rejected": problem})
                             continue
