@@ -28,6 +28,8 @@ void with_vector_shape(const TeamLayout& layout, Fn&& fn) {
         default:
           return fn(integral_constant<int, kVec16>{}, integral_constant<int, 4>{});
       }
+    case VecKind::k8Bytes:
+      return fn(integral_constant<int, 8 / static_cast<int>(sizeof(scalar_t))>{}, integral_constant<int, 1>{});
     case VecKind::kPair:
       return fn(integral_constant<int, 2>{}, integral_constant<int, 4>{});
     default:
