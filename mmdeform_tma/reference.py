@@ -1,5 +1,11 @@
 """The reference multi-scale deformable attention, written with `grid_sample`.
 
+Non-finite inputs follow out = sum(attention x bilinear sample), where a sample reads only the
+corners inside the level: NaN / Inf in value reach every output whose point has that corner
+inside (even with bilinear weight 0); NaN / Inf attention weights poison their output even for a
+point outside the level (Inf x 0 = NaN); a NaN / Inf sampling location lies outside every level,
+so its sample is zero, as are its location gradients.
+
 It computes in the widest dtype of its inputs (fp32 locations with an fp16 value sample in fp32)
 and returns value's dtype. It reads the level shapes on the host, so with `spatial_shapes` on a
 GPU it synchronises once per call. `ms_deform_attn_reference_backward` is its explicit gradient
@@ -27,6 +33,9 @@ def _levels(value, spatial_shapes, sampling_locations, dtype):
     shapes = [(int(h), int(w)) for h, w in spatial_shapes.tolist()]
     values = value.to(dtype).split([h * w for h, w in shapes], dim=1)
     grids = 2 * sampling_locations.to(dtype) - 1
+    # A NaN or infinite location lies outside every level and contributes nothing, as in the CUDA
+    # kernels, mmcv's and grid_sample's CUDA path (grid_sample's CPU path would return NaN).
+    grids = torch.where(torch.isfinite(grids), grids, torch.full_like(grids, -3.0))
     for level, (h, w) in enumerate(shapes):
         level_value = values[level].flatten(2).transpose(1, 2).reshape(bs * heads, channels, h, w)
         level_grid = grids[:, :, :, level].transpose(1, 2).flatten(0, 1)

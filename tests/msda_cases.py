@@ -182,13 +182,13 @@ def gather_reference(
     straight into `value` (no copy of it), differentiable."""
     bs, _, heads, channels = value.shape
     queries = sampling_locations.shape[1]
-    attn = attention_weights.double()
-    out = torch.zeros(bs, queries, heads, channels, dtype=torch.float64, device=value.device)
+    sampled = 0.0  # (bs, queries, heads, levels, points, channels): bilinear samples, 0 outside
     for valid, key, bilinear in _corners(spatial_shapes, level_start_index, sampling_locations, coord_dtype):
         b, h = _batch_head_index(key.shape, value.device)
-        gathered = value[b, key, h].double()  # (bs, queries, heads, levels, points, channels)
-        weight = torch.where(valid, attn * bilinear, 0.0)
-        out = out + (weight[..., None] * gathered).sum(dim=(3, 4))
+        gathered = value[b, key, h].double()
+        gathered = torch.where(valid[..., None], gathered, 0.0)  # a corner outside is never read
+        sampled = sampled + torch.where(valid, bilinear, 0.0)[..., None] * gathered
+    out = (attention_weights.double()[..., None] * sampled).sum(dim=(3, 4))
     return out.view(bs, queries, heads * channels)
 
 

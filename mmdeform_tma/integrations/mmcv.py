@@ -6,11 +6,12 @@ object itself is patched in place (not replaced): `__init__` takes `backend` and
 dispatches through `mmdeform_tma.multi_scale_deformable_attn`. Parameters, their names and their
 initialisation are untouched, so state dicts load both ways with stock mmcv.
 
-`backend` (or the process default `MMDEFORM_TMA_BACKEND`) is one of 'auto', 'tma_ws', 'tma',
-'cuda', 'mmcv', 'pytorch'. Without either, the module keeps mmcv's own forward exactly.
+`backend` is one of 'auto', 'tma_ws', 'tma', 'cuda', 'mmcv', 'pytorch'. `MMDEFORM_TMA_BACKEND`, when
+set, decides it for every module built in the process, whatever the config says: one switch to
+run the same config on another kernel. With neither, the module keeps mmcv's own forward exactly.
 The patched forward differs from mmcv's only where mmcv is wrong or slow: no host-synchronising
-`assert` on the shapes, and the sampling locations and attention weights are never downcast to
-value's dtype (they stay fp32 under AMP).
+`assert` on the shapes, the attention softmax is taken in fp32, and the sampling locations and
+attention weights are never downcast to value's dtype (they stay fp32 under AMP).
 """
 
 from __future__ import annotations
@@ -31,11 +32,11 @@ def install_error() -> str | None:
 
 
 def resolve_backend(backend: str | None) -> str | None:
-    """The module's backend: the argument, else MMDEFORM_TMA_BACKEND, else None (mmcv's own)."""
+    """The module's backend: MMDEFORM_TMA_BACKEND if set, else the argument, else None (mmcv's own)."""
     from ..dispatch import BACKEND_CHOICES
 
-    if backend is None:
-        backend = os.environ.get(ENV_VAR) or None
+    if os.environ.get(ENV_VAR):
+        backend = os.environ[ENV_VAR]
         source = f"{ENV_VAR}={backend!r}"
     else:
         source = f"backend={backend!r}"
@@ -98,7 +99,8 @@ def backend_forward(
         bs, num_query, self.num_heads, self.num_levels, self.num_points, 2
     )
     attention_weights = self.attention_weights(query).view(bs, num_query, self.num_heads, self.num_levels * self.num_points)
-    attention_weights = attention_weights.softmax(-1).view(
+    # softmax in fp32 whatever autocast does (CUDA's already does; CPU's would keep bf16)
+    attention_weights = attention_weights.float().softmax(-1).view(
         bs, num_query, self.num_heads, self.num_levels, self.num_points
     )
     sampling_locations = sampling_locations_from(reference_points, sampling_offsets, spatial_shapes, self.num_points)

@@ -99,7 +99,14 @@ __global__ void __launch_bounds__(kMaxThreads, 1)
         const int idx = l * p.points + pt;
         const coord_t a = attn[idx];
         const Bilinear<coord_t> bl = bilinear(loc[2 * idx], loc[2 * idx + 1], g.height, g.width);
-        if (!bl.valid) continue;
+        if (!bl.valid) {  // the sample is zero; attention x 0 still carries a NaN / Inf weight
+          const acc_t poison = static_cast<acc_t>(a) * acc_t(0);
+#pragma unroll
+          for (int j = 0; j < NV; ++j)
+#pragma unroll
+            for (int k = 0; k < VEC; ++k) acc[j][k] += poison;
+          continue;
+        }
         const scalar_t* corner00 = level_value + (static_cast<int64_t>(bl.y0) * g.width + bl.x0) * addr.key_stride;
         // All loads first (up to 4 x NV in flight), raw; converted next to their FMAs.
         Vec<scalar_t, VEC> raw[4][NV];

@@ -134,6 +134,12 @@ __device__ __forceinline__ void accumulate_point(
     const PointMeta<coord_type<scalar_t>>& m, const char* row0_slot, const char* row1_slot, const LaneRole& r,
     const TeamShape& s, acc_type<scalar_t> (&acc)[VEC]) {
   using acc_t = acc_type<scalar_t>;
+  if (!m.valid) {  // the sample is zero; attention x 0 still carries a NaN / Inf weight
+    const acc_t poison = static_cast<acc_t>(m.attention) * acc_t(0);
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) acc[k] += poison;
+    return;
+  }
   Vec<scalar_t, VEC> top, bottom;
   load_lane_corners<scalar_t, VEC>(m, row0_slot, row1_slot, r, s, top, bottom);
   const acc_t w_top = m.weight[r.column], w_bottom = m.weight[2 + r.column];

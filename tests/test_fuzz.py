@@ -1,0 +1,136 @@
+"""Property tests: random valid problems agree with the loop reference; random malformed ones get a
+clear TypeError / ValueError (or BackendUnavailableError), never a crash or a silent answer.
+On a GPU the same properties run for every compiled backend that is available."""
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import mmdeform_tma
+from msda_cases import COMPILED_BACKENDS, backend_skip_reason, gather_reference, loop_reference, make_problem, rel_l2
+
+SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+DEVICE_BACKENDS = [("cpu", "pytorch")] + [("cuda", b) for b in COMPILED_BACKENDS if backend_skip_reason(b) is None]
+
+
+@st.composite
+def problems(draw):
+    levels = draw(st.integers(1, 5))
+    shapes = [(draw(st.integers(1, 6)), draw(st.integers(1, 6))) for _ in range(levels)]
+    return dict(
+        shapes=shapes,
+        batch=draw(st.integers(1, 2)),
+        queries=draw(st.integers(1, 4)),
+        heads=draw(st.integers(1, 3)),
+        channels=draw(st.sampled_from([1, 2, 3, 8, 16, 32])),
+        points=draw(st.integers(1, 4)),
+        seed=draw(st.integers(0, 2**16)),
+        spread=draw(st.sampled_from([0.0, 0.3, 5.0, 1e6])),
+    )
+
+
+@pytest.mark.parametrize("device, backend", DEVICE_BACKENDS, ids=lambda x: str(x))
+@SETTINGS
+@given(spec=problems())
+def test_random_valid_problems_match_the_loop_reference(device, backend, spec):
+    g = torch.Generator().manual_seed(spec.pop("seed"))
+    shapes, spread = spec.pop("shapes"), spec.pop("spread")
+    p = make_problem(shapes, **spec, generator=g, spread=spread, dtype=torch.float32)
+    expected = loop_reference(p.value, p.spatial_shapes, p.sampling_locations, p.attention_weights)
+    p = p.to(device=device, dtype=torch.float32, coord_dtype=torch.float32)
+    if reasons := mmdeform_tma.get_backend(backend).not_supported_reasons(mmdeform_tma.inputs.validate(*p.args())):
+        with pytest.raises(mmdeform_tma.BackendUnavailableError):
+            mmdeform_tma.multi_scale_deformable_attn(*p.args(), backend=backend)
+        return
+    out = mmdeform_tma.multi_scale_deformable_attn(*p.args(), backend=backend)
+    assert rel_l2(out.cpu(), expected) < 1e-5
+
+
+MALFORMATIONS = [
+    "drop_value_dim", "float_shapes", "int32_shapes", "int32_starts", "shift_starts", "grow_level", "value_int",
+    "loc_float64", "attn_half_with_float_value", "batch_mismatch", "heads_mismatch", "levels_mismatch", "points_mismatch",
+    "queries_mismatch", "loc_last_dim_3", "negative_shape", "not_a_tensor", "loc_on_meta",
+]
+
+
+def malform(p, how):
+    args = dict(value=p.value, spatial_shapes=p.spatial_shapes, level_start_index=p.level_start_index,
+                sampling_locations=p.sampling_locations, attention_weights=p.attention_weights)
+    if how == "drop_value_dim":
+        args["value"] = p.value[0]
+    elif how == "float_shapes":
+        args["spatial_shapes"] = p.spatial_shapes.float()
+    elif how == "int32_shapes":
+        args["spatial_shapes"] = p.spatial_shapes.int()
+    elif how == "int32_starts":
+        args["level_start_index"] = p.level_start_index.int()
+    elif how == "shift_starts":
+        args["level_start_index"] = p.level_start_index + 1
+    elif how == "grow_level":
+        args["spatial_shapes"] = p.spatial_shapes + torch.tensor([[1, 0]] + [[0, 0]] * (len(p.spatial_shapes) - 1))
+    elif how == "value_int":
+        args["value"] = p.value.long()
+    elif how == "loc_float64":
+        args["sampling_locations"] = p.sampling_locations.double()
+    elif how == "attn_half_with_float_value":
+        args["attention_weights"] = p.attention_weights.half()
+    elif how == "batch_mismatch":
+        args["sampling_locations"] = torch.cat([p.sampling_locations, p.sampling_locations])
+    elif how == "heads_mismatch":
+        args["attention_weights"] = torch.cat([p.attention_weights, p.attention_weights], 2)
+    elif how == "levels_mismatch":
+        args["sampling_locations"] = torch.cat([p.sampling_locations, p.sampling_locations], 3)
+    elif how == "points_mismatch":
+        args["attention_weights"] = torch.cat([p.attention_weights, p.attention_weights], 4)
+    elif how == "queries_mismatch":
+        args["attention_weights"] = torch.cat([p.attention_weights, p.attention_weights], 1)
+    elif how == "loc_last_dim_3":
+        args["sampling_locations"] = torch.cat([p.sampling_locations, p.sampling_locations[..., :1]], -1)
+    elif how == "negative_shape":
+        args["spatial_shapes"] = -p.spatial_shapes
+    elif how == "not_a_tensor":
+        args["attention_weights"] = p.attention_weights.tolist()
+    elif how == "loc_on_meta":
+        args["sampling_locations"] = p.sampling_locations.to("meta")
+    return args
+
+
+@pytest.mark.parametrize("device, backend", DEVICE_BACKENDS, ids=lambda x: str(x))
+@SETTINGS
+@given(spec=problems(), how=st.sampled_from(MALFORMATIONS))
+def test_malformed_inputs_raise_clear_errors(device, backend, spec, how):
+    g = torch.Generator().manual_seed(spec.pop("seed"))
+    shapes, spread = spec.pop("shapes"), spec.pop("spread")
+    p = make_problem(shapes, **spec, generator=g, spread=spread, dtype=torch.float32)
+    p = p.to(device=device, dtype=torch.float32, coord_dtype=torch.float32)
+    p.spatial_shapes, p.level_start_index = p.spatial_shapes.cpu(), p.level_start_index.cpu()  # host-checked
+    with pytest.raises((TypeError, ValueError, mmdeform_tma.BackendUnavailableError)) as info:
+        mmdeform_tma.multi_scale_deformable_attn(**malform(p, how), backend=backend)
+    assert str(info.value)
+
+
+@pytest.mark.parametrize("device, backend", DEVICE_BACKENDS, ids=lambda x: str(x))
+@SETTINGS
+@given(
+    spec=problems(),
+    value=st.sampled_from([float("nan"), float("inf"), -float("inf")]),
+    where=st.sampled_from(["value", "loc", "attn"]),
+    index=st.integers(0, 2**16),
+)
+def test_non_finite_inputs_propagate_as_documented(device, backend, spec, value, where, index):
+    """mmdeform_tma.reference's rule: NaN/Inf values and weights propagate, NaN/Inf locations are outside."""
+    g = torch.Generator().manual_seed(spec.pop("seed"))
+    shapes, spread = spec.pop("shapes"), spec.pop("spread")
+    p = make_problem(shapes, **spec, generator=g, spread=spread, dtype=torch.float32)
+    target = {"value": p.value, "loc": p.sampling_locations, "attn": p.attention_weights}[where]
+    target.view(-1)[index % target.numel()] = value
+    expected = gather_reference(*p.args())
+    p = p.to(device=device, dtype=torch.float32, coord_dtype=torch.float32)
+    if mmdeform_tma.get_backend(backend).not_supported_reasons(mmdeform_tma.inputs.validate(*p.args())):
+        return
+    out = mmdeform_tma.multi_scale_deformable_attn(*p.args(), backend=backend).cpu()
+    assert torch.equal(torch.isnan(out), torch.isnan(expected))
+    assert torch.equal(torch.isinf(out), torch.isinf(expected))
+    finite = torch.isfinite(expected)
+    assert rel_l2(out[finite], expected[finite]) < 1e-5

@@ -1,0 +1,88 @@
+"""The benchmark and kernel tools run on the CPU: reference backend, tiny problems, all outputs."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tools"))
+
+
+def test_benchmark_op_writes_json_markdown_png(tmp_path):
+    import benchmark_op
+
+    assert benchmark_op.main(["--device", "cpu", "--iters", "2", "--warmup", "1", "--out", str(tmp_path / "op")]) == 0
+    data = json.loads((tmp_path / "op.json").read_text())
+    assert data["environment"]["device"] and data["environment"]["torch"] == torch.__version__
+    rows = data["results"]
+    assert {r["direction"] for r in rows} == {"forward", "backward", "forward+backward"}
+    assert all(r["backend"] == "pytorch" and r["timing"]["median_ms"] > 0 for r in rows)
+    forward = next(r for r in rows if r["direction"] == "forward")
+    assert forward["accuracy"]["rel_err_output"] < 1e-5
+    assert "| preset |" in (tmp_path / "op.md").read_text()
+    assert (tmp_path / "op.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_benchmark_op_explicit_shape(tmp_path):
+    import benchmark_op
+
+    args = ["--device", "cpu", "--batch", "1", "--spatial-size", "8x12", "--num-query", "5", "--num-heads", "2", "--channels", "4",
+            "--num-levels", "2", "--num-points", "2", "--locality", "uniform", "--directions", "forward", "--iters", "1",
+            "--out", str(tmp_path / "custom")]
+    assert benchmark_op.main(args) == 0
+    row = json.loads((tmp_path / "custom.json").read_text())["results"][0]
+    assert row["shape"] == "bs1 nq=5 S=120 L2 P2 H2 C4"
+
+
+def test_compulsory_bytes_of_the_encoder_preset():
+    import benchmark_op
+
+    shape = benchmark_op.PRESETS["detr_enc_bs2"]
+    assert shape.num_keys == 20197
+    # value 20.7 MB + locations 41.4 MB + weights 20.7 MB + output 20.7 MB in bf16: about 35 us at 3 TB/s
+    assert abs(benchmark_op.compulsory_bytes(shape, torch.bfloat16, "forward") / 3e12 * 1e6 - 34.5) < 0.5
+
+
+@pytest.mark.skipif(pytest.importorskip("mmdet") is None, reason="mmdet missing")
+def test_benchmark_e2e_cpu_smoke(tmp_path):
+    import benchmark_e2e
+
+    assert benchmark_e2e.main(["--device", "cpu", "--out", str(tmp_path / "e2e")]) == 0
+    results = json.loads((tmp_path / "e2e.json").read_text())["results"]
+    assert {r["backend"] for r in results} == {"stock", "pytorch"}
+    for r in results:
+        assert r["error"] is None and r["train_ms"]["median_ms"] > 0 and len(r["losses"]) == 2
+        assert r["max_loss_rel_diff_vs_mmcv"] < 1e-6  # the reference is mmcv's own CPU path
+    assert (tmp_path / "e2e.png").exists() and "| backend |" in (tmp_path / "e2e.md").read_text()
+
+
+def test_autotune_needs_a_gpu():
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    import autotune
+
+    assert autotune.main([]) == 2
+
+
+def test_resource_report_parses_ptxas_output():
+    import resource_report
+
+    text = """ptxas info    : Compiling entry function '_Z3fooPf' for 'sm_90a'
+ptxas info    : Function properties for _Z3fooPf
+    8 bytes stack frame, 4 bytes spill stores, 4 bytes spill loads
+ptxas info    : Used 72 registers, used 1 barriers, 2048 bytes smem, 384 bytes cmem[0]"""
+    (kernel,) = resource_report.parse_ptxas("x.cu", text)
+    assert (kernel.arch, kernel.registers, kernel.shared_bytes, kernel.spill_stores, kernel.spill_loads) == ("sm_90a", 72, 2048, 4, 4)
+    assert kernel.kernel == "foo(float*)"
+
+
+def test_info_explains_every_backend():
+    out = subprocess.run([sys.executable, "-m", "mmdeform_tma.info", "--device", "cpu"], capture_output=True, text=True, check=True).stdout
+    for name in ("tma_ws", "tma", "cuda", "mmcv", "pytorch"):
+        assert f"    {name} " in out
+    assert "pytorch  available" in out
+    assert "not built" in out or "runs on cuda, not cpu" in out

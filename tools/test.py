@@ -1,0 +1,54 @@
+"""Evaluate a detector checkpoint, as mmdet's tools/test.py does, with mmdeform_tma's kernels.
+
+    python tools/test.py configs/synthetic/deformable-detr_r50_synthetic_tma-ws.py work_dirs/.../epoch_12.pth
+"""
+
+import argparse
+import os
+import os.path as osp
+
+from mmengine.config import Config, DictAction
+from mmengine.registry import RUNNERS
+from mmengine.runner import Runner
+
+import mmdeform_tma  # noqa: F401  (MultiScaleDeformableAttention takes backend=; honours MMDEFORM_TMA_BACKEND)
+from checkpoints import allow_mmengine_checkpoints
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description="Test (and evaluate) a detector")
+    parser.add_argument("config", help="test config file path")
+    parser.add_argument("checkpoint", help="checkpoint file")
+    parser.add_argument("--work-dir", help="the directory to save the evaluation metrics")
+    parser.add_argument("--out", type=str, help="dump predictions to a pickle file for offline evaluation")
+    parser.add_argument("--cfg-options", nargs="+", action=DictAction, help="override config settings, key=value")
+    parser.add_argument("--launcher", choices=["none", "pytorch", "slurm", "mpi"], default="none", help="job launcher")
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=0)
+    args = parser.parse_args(argv)
+    if "LOCAL_RANK" not in os.environ:
+        os.environ["LOCAL_RANK"] = str(args.local_rank)
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    allow_mmengine_checkpoints()
+    cfg = Config.fromfile(args.config)
+    cfg.launcher = args.launcher
+    if args.cfg_options is not None:
+        cfg.merge_from_dict(args.cfg_options)
+    if args.work_dir is not None:
+        cfg.work_dir = args.work_dir
+    elif cfg.get("work_dir", None) is None:
+        cfg.work_dir = osp.join("./work_dirs", osp.splitext(osp.basename(args.config))[0])
+    cfg.load_from = args.checkpoint
+    if args.out is not None:
+        assert args.out.endswith((".pkl", ".pickle")), "--out must be a .pkl file"
+        cfg.test_evaluator = [cfg.test_evaluator] if not isinstance(cfg.test_evaluator, list) else cfg.test_evaluator
+        cfg.test_evaluator.append(dict(type="DumpDetResults", out_file_path=args.out))
+    runner = Runner.from_cfg(cfg) if "runner_type" not in cfg else RUNNERS.build(cfg)
+    runner.test()
+
+
+if __name__ == "__main__":
+    main()
