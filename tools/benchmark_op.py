@@ -177,6 +177,18 @@ def timed_calls(backend: str, direction: str, input_sets: list) -> list:
     return calls
 
 
+def peak_extra_memory(call) -> float:
+    """Peak memory one call allocates on top of what is live before it, in MiB."""
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    result = call()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated()
+    del result
+    return (peak - base) / 2**20
+
+
 @dataclass
 class Row:
     preset: str
@@ -193,6 +205,7 @@ class Row:
     floor_ms: float | None = None
     pct_of_floor: float | None = None
     speedup_vs_mmcv: float | None = None
+    peak_extra_mb: float | None = None  # memory a call allocates beyond its inputs (outputs, grads, workspace)
     error: str | None = None
 
 
@@ -269,6 +282,8 @@ def main(argv=None) -> int:
                 device, timed_calls(backend, direction, input_sets), warmup, iters, use_graphs=graphs
             )
             row.timing = bench_common.summarize(samples)
+            if on_gpu:
+                row.peak_extra_mb = peak_extra_memory(timed_calls(backend, direction, input_sets[:1])[0])
             row.bytes = compulsory_bytes(shape, dtype, direction)
             row.gbps = row.bytes / (row.timing["median_ms"] / 1e3) / 1e9
             if bandwidth:
@@ -297,11 +312,11 @@ def fmt(x, spec=".3f"):
 
 
 def table_rows(rows: list[Row]) -> tuple[list[str], list[list[object]]]:
-    header = ["preset", "dtype", "backend", "direction", "median ms", "p90 ms", "p99 ms", "x mmcv", "GB/s", "% floor", "rel err", "err/rounding"]
+    header = ["preset", "dtype", "backend", "direction", "median ms", "p90 ms", "p99 ms", "x mmcv", "GB/s", "% floor", "rel err", "err/rounding", "extra MiB"]
     out = []
     for r in rows:
         if r.error:
-            out.append([r.preset, r.dtype, r.backend, r.direction, r.error[:60], "", "", "", "", "", "", ""])
+            out.append([r.preset, r.dtype, r.backend, r.direction, r.error[:60], "", "", "", "", "", "", "", ""])
             continue
         err = r.accuracy.get("rel_err_output")
         rounding = r.accuracy.get("rounding_err_output")
@@ -310,7 +325,7 @@ def table_rows(rows: list[Row]) -> tuple[list[str], list[list[object]]]:
             [
                 r.preset, r.dtype, r.backend, r.direction, fmt(r.timing["median_ms"], ".4f"), fmt(r.timing["p90_ms"], ".4f"),
                 fmt(r.timing["p99_ms"], ".4f"), fmt(r.speedup_vs_mmcv, ".2f"), fmt(r.gbps, ".0f"), fmt(r.pct_of_floor, ".0f"),
-                fmt(err, ".1e"), fmt(ratio, ".2f"),
+                fmt(err, ".1e"), fmt(ratio, ".2f"), fmt(r.peak_extra_mb, ".0f"),
             ]
         )
     return header, out
