@@ -1,6 +1,8 @@
 """Loads the compiled extension ``mmdeform_tma._C`` and reports what it was built with.
 
 Loading never touches a GPU: it only maps the shared library and registers the operator schema.
+The queries the dispatcher makes per call are `torch.compiler.assume_constant_result`, so that
+torch.compile evaluates them once while tracing instead of breaking the graph.
 """
 
 from __future__ import annotations
@@ -8,6 +10,8 @@ from __future__ import annotations
 import functools
 import importlib
 from dataclasses import dataclass
+
+import torch
 
 BUILD_HINT = (
     "build it from the repository root with `pip install -e . --no-build-isolation` on a machine with "
@@ -71,7 +75,33 @@ def build_info() -> BuildInfo:
     )
 
 
+@torch.compiler.assume_constant_result
 def kernel_configs(backend: str, direction: str) -> tuple[str, ...]:
     """Names of the compiled kernel variants of a backend, in the order the ops' `config` indexes."""
     module = extension()
     return tuple(module.kernel_configs(backend, direction)) if module is not None else ()
+
+
+@torch.compiler.assume_constant_result
+def build_reasons(needs_hopper: bool) -> tuple[str, ...]:
+    """Why the compiled kernels cannot run at all in this build (empty when they can)."""
+    info = build_info()
+    if not info.loaded:
+        return (f"not built: {info.error}; {BUILD_HINT}",)
+    if not info.with_cuda:
+        return (f"not built: the extension was compiled without CUDA kernels; {BUILD_HINT}",)
+    if needs_hopper and not info.with_hopper:
+        return (f"not built: the extension has no sm_90a (Hopper) kernels; {BUILD_HINT}",)
+    return ()
+
+
+@torch.compiler.assume_constant_result
+def device_reason(major: int, minor: int) -> str:
+    """Why this build has no code for a GPU of this capability ('' when it has)."""
+    info = build_info()
+    if info.supports_device((major, minor)):
+        return ""
+    return (
+        f"not built for this GPU (compute capability {major}.{minor}; built for {', '.join(info.cuda_archs)}); "
+        f"rebuild with TORCH_CUDA_ARCH_LIST including {major}.{minor}"
+    )

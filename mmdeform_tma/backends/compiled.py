@@ -25,20 +25,14 @@ class CompiledKernelBackend(Backend):
     needs_hopper_build: ClassVar[bool] = False
 
     def extra_reasons(self, inputs: MSDAInputs) -> list[str]:
-        info = _extension.build_info()
-        if not info.loaded:
-            return [f"not built: {info.error}; {_extension.BUILD_HINT}"]
-        if not info.with_cuda:
-            return [f"not built: the extension was compiled without CUDA kernels; {_extension.BUILD_HINT}"]
-        if self.needs_hopper_build and not info.with_hopper:
-            return [f"not built: the extension has no sm_90a (Hopper) kernels; {_extension.BUILD_HINT}"]
+        not_built = _extension.build_reasons(self.needs_hopper_build)
+        if not_built:
+            return list(not_built)
         reasons = []
-        if inputs.device.type == "cuda" and not info.supports_device(device_capability(inputs.device)):
+        if inputs.device.type == "cuda":
             major, minor = device_capability(inputs.device)
-            reasons.append(
-                f"not built for this GPU (compute capability {major}.{minor}; built for {', '.join(info.cuda_archs)}); "
-                f"rebuild with TORCH_CUDA_ARCH_LIST including {major}.{minor}"
-            )
+            if reason := _extension.device_reason(major, minor):
+                reasons.append(reason)
         if inputs.channels > self.max_channels:
             reasons.append(f"channels per head {inputs.channels} exceed the kernels' limit of {self.max_channels}")
         if inputs.num_keys >= 2**31:

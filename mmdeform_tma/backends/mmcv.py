@@ -27,6 +27,11 @@ def _mmcv_ext():
         return None, f"mmcv's compiled ops cannot be loaded ({type(exc).__name__}: {exc})"
 
 
+@torch.compiler.assume_constant_result
+def _mmcv_unavailable_reason() -> str:
+    return _mmcv_ext()[1] or ""
+
+
 @torch.library.custom_op("mmdeform_tma::mmcv_forward", mutates_args=())
 def mmcv_forward(
     value: torch.Tensor,
@@ -107,8 +112,8 @@ class MMCVBackend(Backend):
     deterministic = False
 
     def extra_reasons(self, inputs: MSDAInputs) -> list[str]:
-        ext, error = _mmcv_ext()
-        reasons = [error] if ext is None else []
+        error = _mmcv_unavailable_reason()
+        reasons = [error] if error else []
         if 0 in (inputs.batch, inputs.num_queries, inputs.num_heads, inputs.channels):
             reasons.append("mmcv's op cannot take an empty batch, query, head or channel dimension")
         return reasons

@@ -139,3 +139,13 @@ def test_locations_and_weights_stay_float32_under_autocast(monkeypatch):
         out = make("pytorch")(**module_inputs())
     assert seen == {"value": torch.bfloat16, "loc": torch.float32, "attn": torch.float32}
     assert torch.isfinite(out).all()
+
+
+def test_module_compiles_fullgraph_with_the_reference_backend():
+    torch._dynamo.reset()
+    module = make("pytorch").eval()
+    inputs = module_inputs()
+    with torch.no_grad():
+        eager = module(**inputs)
+        compiled = torch.compile(module, fullgraph=True, backend="aot_eager")(**inputs)
+    torch.testing.assert_close(compiled, eager)

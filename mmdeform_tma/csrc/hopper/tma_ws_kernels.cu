@@ -166,6 +166,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) tma_ws_kernel(
         bytes += hopper::point_load_bytes(m, s);
       }
       bytes = __reduce_add_sync(0xffffffffu, bytes);
+      __syncwarp();  // every lane's metadata is written before lane 0's arrive releases the stage
       if (lane == 0) hopper::mbarrier_arrive_expect_tx(&full[stage], bytes);
       __syncwarp();
       hopper::fence_proxy_async_shared();
