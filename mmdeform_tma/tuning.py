@@ -6,6 +6,7 @@ the correctness check, and writes the best few per shape into `tuning_tables/<de
     own heuristic);
   - `preferred_backends` orders the compiled backends by measured time, which 'auto' follows.
 `MMDEFORM_TMA_TUNING_TABLE=/path/table.json` adds a table of your own (it wins on equal keys).
+Lookups are `assume_constant_result`: torch.compile resolves them once while tracing.
 """
 
 from __future__ import annotations
@@ -66,28 +67,35 @@ def load_tables() -> dict[str, dict[str, dict[str, dict[str, list[tuple[str, flo
     return tables
 
 
-def _entries(inputs: MSDAInputs) -> dict[str, dict[str, list[tuple[str, float]]]]:
-    if inputs.device.type != "cuda":
-        return {}
-    return load_tables().get(device_name(inputs.device), {}).get(inputs_key(inputs), {})
-
-
-def kernel_config(backend: str, direction: str, inputs: MSDAInputs) -> int:
-    ranked = _entries(inputs).get(backend, {}).get(direction)
-    if not ranked:
-        return -1
+@torch.compiler.assume_constant_result
+def _best_config(device: str, key: str, backend: str, direction: str) -> int:
+    ranked = load_tables().get(device, {}).get(key, {}).get(backend, {}).get(direction)
     names = kernel_configs(backend, direction)
-    for config_name, _ in ranked:
+    for config_name, _ in ranked or ():
         if config_name in names:
             return names.index(config_name)
     return -1
 
 
-def preferred_backends(inputs: MSDAInputs) -> tuple[str, ...]:
-    """Compiled backends with measurements for this shape, fastest first."""
-    directions = ("forward", "backward") if inputs.needs_grad else ("forward",)
+@torch.compiler.assume_constant_result
+def _fastest_backends(device: str, key: str, with_backward: bool) -> tuple[str, ...]:
+    directions = ("forward", "backward") if with_backward else ("forward",)
     totals = {}
-    for backend, per_direction in _entries(inputs).items():
+    for backend, per_direction in load_tables().get(device, {}).get(key, {}).items():
         if all(per_direction.get(d) for d in directions):
             totals[backend] = sum(per_direction[d][0][1] for d in directions)
     return tuple(sorted(totals, key=totals.get))
+
+
+def kernel_config(backend: str, direction: str, inputs: MSDAInputs) -> int:
+    """The tuned `config` index for this call, or -1 (the kernel's own heuristic)."""
+    if inputs.device.type != "cuda":
+        return -1
+    return _best_config(device_name(inputs.device), inputs_key(inputs), backend, direction)
+
+
+def preferred_backends(inputs: MSDAInputs) -> tuple[str, ...]:
+    """Compiled backends with measurements for this shape, fastest first."""
+    if inputs.device.type != "cuda":
+        return ()
+    return _fastest_backends(device_name(inputs.device), inputs_key(inputs), inputs.needs_grad)

@@ -119,6 +119,27 @@ def backend_forward(
     return self.dropout(output) + identity
 
 
+def install_bf16_focal_loss() -> None:
+    """mmcv's sigmoid focal loss has no bf16 CUDA kernel, and under bf16 AMP the DETR heads' class
+    scores are bf16: compute that loss in fp32 (its gradient returns in bf16) instead of failing.
+    The one non-MSDA patch here; without it no DETR-family model trains with --amp bf16."""
+    from mmcv.ops import focal_loss
+
+    cls = focal_loss.SigmoidFocalLossFunction
+    if getattr(cls, "_mmdeform_tma_bf16", False):
+        return
+    mmcv_forward = cls.forward
+
+    def forward(ctx, input, target, gamma=2.0, alpha=0.25, weight=None, reduction="mean"):
+        if input.dtype == torch.bfloat16:
+            input = input.float()
+            weight = weight.float() if weight is not None and weight.dtype == torch.bfloat16 else weight
+        return mmcv_forward(ctx, input, target, gamma, alpha, weight, reduction)
+
+    cls.forward = staticmethod(forward)
+    cls._mmdeform_tma_bf16 = True
+
+
 def install() -> None:
     """Patch mmcv.ops.MultiScaleDeformableAttention in place (idempotent)."""
     from mmcv.ops import multi_scale_deform_attn
@@ -145,6 +166,7 @@ def install() -> None:
     cls.__init__ = __init__
     cls.forward = forward
     cls._mmdeform_tma_installed = True
+    install_bf16_focal_loss()
 
 
 def install_if_available() -> None:
