@@ -64,7 +64,9 @@ def msda_module(backend):
     from mmcv.ops import MultiScaleDeformableAttention
 
     torch.manual_seed(0)
-    return MultiScaleDeformableAttention(embed_dims=256, num_heads=8, num_levels=4, num_points=4, batch_first=True, backend=backend).cuda()
+    return MultiScaleDeformableAttention(
+        embed_dims=256, num_heads=8, num_levels=4, num_points=4, batch_first=True, dropout=0.0, backend=backend
+    ).cuda()
 
 
 def module_inputs():
