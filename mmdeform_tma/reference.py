@@ -2,9 +2,10 @@
 
 Non-finite inputs follow out = sum(attention x bilinear sample), where a sample reads only the
 corners inside the level: NaN / Inf in value reach every output whose point has that corner
-inside (even with bilinear weight 0); NaN / Inf attention weights poison their output even for a
-point outside the level (Inf x 0 = NaN); a NaN / Inf sampling location lies outside every level,
-so its sample is zero, as are its location gradients.
+inside (even with bilinear weight 0); NaN / Inf attention weights make their output non-finite
+even for a point outside the level (Inf x 0 = NaN); a NaN / Inf sampling location lies outside
+every level, so its sample is zero, as are its location gradients. Which outputs are non-finite
+is the contract every backend keeps; NaN against Inf may differ with the order of operations.
 
 It computes in the widest dtype of its inputs (fp32 locations with an fp16 value sample in fp32)
 and returns value's dtype. It reads the level shapes on the host, so with `spatial_shapes` on a

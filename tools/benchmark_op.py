@@ -15,6 +15,7 @@ over mmcv's kernel measured in the same run. Writes JSON, Markdown and a PNG cha
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 from dataclasses import asdict, dataclass, field
@@ -241,11 +242,18 @@ def parse_args(argv=None):
     p.add_argument("--accuracy-queries", type=int, default=2048)
     p.add_argument("--no-graphs", action="store_true", help="time eager calls instead of CUDA-graph replays")
     p.add_argument("--out", type=Path, default=Path("bench_results/op"), help="output prefix (.json .md .png)")
+    p.add_argument("--render", type=Path, help="only rewrite the Markdown and PNG of a saved JSON (to --out)")
     return p.parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.render:
+        saved = json.loads(args.render.read_text())
+        rows = [Row(**r) for r in saved["results"]]
+        write_outputs(args.out, saved["environment"], rows)
+        print(format_console(rows))
+        return 0
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     on_gpu = device.type == "cuda"
     shapes = [explicit_shape(args)] if explicit_shape(args) else [PRESETS[n] for n in (args.presets or (DEFAULT_GPU_PRESETS if on_gpu else ["tiny"]))]
@@ -377,7 +385,7 @@ def plot(path: Path, env: dict, rows: list[Row]) -> None:
                 heights.append(match[0].timing["median_ms"] if match else 0.0)
             ax.bar([g + i * width for g in range(len(groups))], heights, width, label=backend)
         ax.set_xticks([g + 0.4 - width / 2 for g in range(len(groups))])
-        ax.set_xticklabels([f"{p}\n{d}" for p, d in groups], fontsize=7)
+        ax.set_xticklabels([f"{p}\n{d}" for p, d in groups], fontsize=7, rotation=30, ha="right")
         ax.set_ylabel("median ms")
         ax.set_yscale("log")
         ax.set_title(f"{direction} ({env['device']}, {env['commit']})", fontsize=9)

@@ -3,6 +3,7 @@ stack frame and spills. Needs nvcc and torch's headers, not a GPU.
 
     python tools/resource_report.py                       # sm_90a, all sources
     python tools/resource_report.py --arch 8.0 --markdown docs/resources_sm80.md
+    python tools/resource_report.py --from-log gpu_out/ptxas.log   # a build's own -Xptxas -v output
 
 Exits 1 when any kernel spills (the project's rule is zero spills).
 """
@@ -141,19 +142,23 @@ def main(argv=None) -> int:
     parser.add_argument("--sources", nargs="*", help="only these .cu files (default: all)")
     parser.add_argument("--markdown", type=Path, help="also write the table as Markdown")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--from-log", type=Path, help="parse this ptxas -v output (MMDEFORM_TMA_PTXAS_VERBOSE=1 build) instead")
     args = parser.parse_args(argv)
 
-    setup = load_setup_module()
-    gencode, _ = setup.gencode_flags(args.arch)
-    sources = [Path(s).resolve() for s in args.sources] if args.sources else sorted(CSRC.rglob("*.cu"))
     results: list[KernelResources] = []
     failed = False
-    with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        for source, kernels, error in pool.map(lambda s: compile_one(s, gencode, setup), sources):
-            if error:
-                failed = True
-                print(f"--- {source.relative_to(ROOT)} failed to compile:\n{error}", file=sys.stderr)
-            results.extend(kernels)
+    if args.from_log:
+        results = parse_ptxas(args.from_log.name, args.from_log.read_text())
+    else:
+        setup = load_setup_module()
+        gencode, _ = setup.gencode_flags(args.arch)
+        sources = [Path(s).resolve() for s in args.sources] if args.sources else sorted(CSRC.rglob("*.cu"))
+        with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
+            for source, kernels, error in pool.map(lambda s: compile_one(s, gencode, setup), sources):
+                if error:
+                    failed = True
+                    print(f"--- {source.relative_to(ROOT)} failed to compile:\n{error}", file=sys.stderr)
+                results.extend(kernels)
 
     rows = [
         (k.source, k.arch, shorten(k.kernel, 110), k.registers, k.shared_bytes, k.stack_bytes, k.spill_stores, k.spill_loads)

@@ -258,3 +258,16 @@ def test_dino_5scale_batch_16_persistent_loop(backend):
     exact = gather_reference(value.detach(), shapes, starts, loc[:, rows], attn[:, rows])
     check(out[:, rows], exact, "output on sampled queries")
     assert torch.isfinite(grad_value).all()
+
+
+@pytest.mark.parametrize("backend", ["tma", "tma_ws"])
+def test_kernel_side_checks_raise_instead_of_crashing(backend):
+    """The C++ checks behind the Python ones: a direct op call the TMA layout cannot serve raises a
+    RuntimeError with its reason (this once segfaulted while formatting the message)."""
+    if reason := backend_skip_reason(backend):
+        pytest.skip(reason)
+    value = torch.randn(1, 20, 2, 128, device="cuda")  # 128 fp32 channels: 512-byte rows
+    shapes, starts = torch.tensor([[4, 5]], device="cuda"), torch.tensor([0], device="cuda")
+    loc, attn = torch.rand(1, 3, 2, 1, 2, 2, device="cuda"), torch.rand(1, 3, 2, 1, 2, device="cuda")
+    with pytest.raises(RuntimeError, match="channels must span 16, 32, 64, 128 or 256 bytes, got 128 x 4 B"):
+        torch.ops.mmdeform_tma.ms_deform_attn_forward(value, shapes, starts, loc, attn, backend, -1)
