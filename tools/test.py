@@ -5,14 +5,13 @@
 
 import argparse
 import os
-import os.path as osp
 
-from mmengine.config import Config, DictAction
+from mmengine.config import DictAction
 from mmengine.registry import RUNNERS
 from mmengine.runner import Runner
 
 import mmdeform_tma  # noqa: F401  (MultiScaleDeformableAttention takes backend=; honours MMDEFORM_TMA_BACKEND)
-from checkpoints import allow_mmengine_checkpoints
+from runner_setup import allow_mmengine_checkpoints, load_config
 
 
 def parse_args(argv=None):
@@ -33,14 +32,7 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     allow_mmengine_checkpoints()
-    cfg = Config.fromfile(args.config)
-    cfg.launcher = args.launcher
-    if args.cfg_options is not None:
-        cfg.merge_from_dict(args.cfg_options)
-    if args.work_dir is not None:
-        cfg.work_dir = args.work_dir
-    elif cfg.get("work_dir", None) is None:
-        cfg.work_dir = osp.join("./work_dirs", osp.splitext(osp.basename(args.config))[0])
+    cfg = load_config(args)
     cfg.load_from = args.checkpoint
     if args.out is not None:
         assert args.out.endswith((".pkl", ".pickle")), "--out must be a .pkl file"

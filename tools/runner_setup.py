@@ -1,0 +1,30 @@
+"""What tools/train.py and tools/test.py share: loading the config, and torch >= 2.6 checkpoints.
+
+torch 2.6 made `torch.load(weights_only=True)` the default; mmengine 0.10 pickles its message hub
+(HistoryBuffer objects, numpy arrays and types rebuilt through `getattr`) into every checkpoint
+and loads it without passing `weights_only`, so --resume and testing fail. Allow-listing `getattr`
+would open the safe unpickler as wide as turning it off, so these tools turn it off, for the
+checkpoints a training run wrote itself. Set TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=0 to keep it on.
+"""
+
+import os
+import os.path as osp
+
+from mmengine.config import Config
+
+
+def allow_mmengine_checkpoints() -> None:
+    os.environ.setdefault("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+
+
+def load_config(args) -> Config:
+    """The config with --cfg-options, the launcher and the work dir (CLI > config > ./work_dirs/<name>)."""
+    cfg = Config.fromfile(args.config)
+    cfg.launcher = args.launcher
+    if args.cfg_options is not None:
+        cfg.merge_from_dict(args.cfg_options)
+    if args.work_dir is not None:
+        cfg.work_dir = args.work_dir
+    elif cfg.get("work_dir", None) is None:
+        cfg.work_dir = osp.join("./work_dirs", osp.splitext(osp.basename(args.config))[0])
+    return cfg
