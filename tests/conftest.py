@@ -1,4 +1,4 @@
-"""Shared fixtures and skip rules. GPU tests skip with the reason when no GPU (or no build) exists."""
+"""Shared fixtures. GPU test modules skip with the reason when no GPU (or no build) exists."""
 
 from __future__ import annotations
 
@@ -6,9 +6,6 @@ import pytest
 import torch
 
 import mmdeform_tma
-
-requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU on this machine")
-
 
 @pytest.fixture
 def generator():

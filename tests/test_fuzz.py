@@ -39,7 +39,7 @@ def test_random_valid_problems_match_the_loop_reference(device, backend, spec):
     p = make_problem(shapes, **spec, generator=g, spread=spread, dtype=torch.float32)
     expected = loop_reference(p.value, p.spatial_shapes, p.sampling_locations, p.attention_weights)
     p = p.to(device=device, dtype=torch.float32, coord_dtype=torch.float32)
-    if reasons := mmdeform_tma.get_backend(backend).not_supported_reasons(mmdeform_tma.inputs.validate(*p.args())):
+    if mmdeform_tma.get_backend(backend).not_supported_reasons(mmdeform_tma.inputs.validate(*p.args())):
         with pytest.raises(mmdeform_tma.BackendUnavailableError):
             mmdeform_tma.multi_scale_deformable_attn(*p.args(), backend=backend)
         return

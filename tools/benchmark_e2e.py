@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import copy
 import re
-import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -179,9 +178,6 @@ def run_one(args, backend: str, precision: str, device: torch.device) -> Result:
         infer_step()
     result.infer_ms = bench_common.summarize(time_loop(infer_step, args.iters, device))
     result.images_per_s = args.batch / (result.infer_ms["median_ms"] / 1e3)
-    del model, optim_wrapper
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
     return result
 
 
@@ -226,6 +222,8 @@ def main(argv=None) -> int:
             results.append(run_one(args, backend, precision, device))
         except (mmdeform_tma.BackendUnavailableError, RuntimeError) as exc:
             results.append(Result(backend, precision, error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"))
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the last model is gone with run_one's frame
     for r in results:
         base = next((b for b in results if b.backend == "stock" and b.precision == r.precision and b.losses), None)
         base = base or next((b for b in results if b.backend == "mmcv" and b.precision == r.precision and b.losses), None)

@@ -2,7 +2,6 @@
 every backend that runs here, AMP fp16/bf16 steps work, the module compiles with fullgraph and
 captures in a CUDA graph. Parametrized over the backends, so a new kernel is covered at once."""
 
-import copy
 import sys
 from pathlib import Path
 
@@ -12,7 +11,6 @@ import torch
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU on this machine")]
 pytest.importorskip("mmdet")
 
-import mmdeform_tma  # noqa: E402
 from msda_cases import backend_skip_reason  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
