@@ -33,14 +33,18 @@ def _levels(value, spatial_shapes, sampling_locations, dtype):
     bs, _, heads, channels = value.shape
     shapes = [(int(h), int(w)) for h, w in spatial_shapes.tolist()]
     values = value.to(dtype).split([h * w for h, w in shapes], dim=1)
-    grids = 2 * sampling_locations.to(dtype) - 1
-    # A NaN or infinite location lies outside every level and contributes nothing, as in the CUDA
-    # kernels, mmcv's and grid_sample's CUDA path (grid_sample's CPU path would return NaN).
-    grids = torch.where(torch.isfinite(grids), grids, torch.full_like(grids, -3.0))
+    locations = sampling_locations.to(dtype)
+    grids = 2 * locations - 1
     for level, (h, w) in enumerate(shapes):
+        # mmcv's and the kernels' rule: a point is sampled only when -1 < pixel coordinate < size.
+        # grid_sample would also read a point exactly at -1 (its far corner, with weight 0, passes
+        # on a NaN there) and NaN / Inf locations (its CPU path returns NaN); both move to -3,
+        # outside every level, where sample and location gradients are zero.
+        x, y = locations[..., level, :, 0] * w - 0.5, locations[..., level, :, 1] * h - 0.5
+        inside = ((x > -1) & (x < w) & (y > -1) & (y < h))[..., None]
+        level_grid = torch.where(inside, grids[:, :, :, level], torch.full_like(grids[:, :, :, level], -3.0))
         level_value = values[level].flatten(2).transpose(1, 2).reshape(bs * heads, channels, h, w)
-        level_grid = grids[:, :, :, level].transpose(1, 2).flatten(0, 1)
-        yield level_value, level_grid
+        yield level_value, level_grid.transpose(1, 2).flatten(0, 1)
 
 
 def _is_empty(value, sampling_locations) -> bool:

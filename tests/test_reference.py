@@ -39,6 +39,21 @@ def test_points_outside_every_level_give_zero():
     assert torch.count_nonzero(out) == 0
 
 
+def test_point_exactly_at_pixel_minus_one_is_outside():
+    """x = -1 px reaches column 0 with bilinear weight 0; mmcv and the kernels skip such a point,
+    so a NaN there stays out of the output and the location gradient is zero."""
+    value = torch.randn(1, 4, 1, 2, dtype=torch.float64)
+    value[0, 0] = float("nan")  # column 0 of row 0 in a 2 x 2 level
+    shapes, starts = torch.tensor([[2, 2]]), torch.tensor([0])
+    loc = torch.tensor([-0.5 / 2, 0.25], dtype=torch.float64).view(1, 1, 1, 1, 1, 2)  # pixel (x, y) = (-1, 0)
+    attn = torch.ones(1, 1, 1, 1, 1, dtype=torch.float64)
+    out = ms_deform_attn_reference(value, shapes, loc, attn)
+    assert torch.equal(out, torch.zeros_like(out))
+    assert torch.equal(out, gather_reference(value, shapes, starts, loc, attn).to(out.dtype))
+    _, grad_loc, _ = ms_deform_attn_reference_backward(torch.ones_like(out), value, shapes, loc, attn)
+    assert torch.equal(grad_loc, torch.zeros_like(grad_loc))
+
+
 @pytest.mark.parametrize("wrt", ["value", "sampling_locations", "attention_weights"])
 def test_gradcheck_float64(wrt, generator):
     problem = make_problem([(4, 3), (2, 2)], batch=1, queries=2, heads=2, channels=3, points=2, generator=generator)

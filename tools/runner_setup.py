@@ -1,4 +1,5 @@
-"""What tools/train.py and tools/test.py share: loading the config, and torch >= 2.6 checkpoints.
+"""What tools/train.py and tools/test.py share: launcher arguments, loading the config, building
+the runner, and torch >= 2.6 checkpoints.
 
 torch 2.6 made `torch.load(weights_only=True)` the default; mmengine 0.10 pickles its message hub
 (HistoryBuffer objects, numpy arrays and types rebuilt through `getattr`) into every checkpoint
@@ -11,6 +12,8 @@ import os
 import os.path as osp
 
 from mmengine.config import Config
+from mmengine.registry import RUNNERS
+from mmengine.runner import Runner
 
 
 def allow_mmengine_checkpoints() -> None:
@@ -28,3 +31,19 @@ def load_config(args) -> Config:
     elif cfg.get("work_dir", None) is None:
         cfg.work_dir = osp.join("./work_dirs", osp.splitext(osp.basename(args.config))[0])
     return cfg
+
+
+def add_launcher_args(parser) -> None:
+    parser.add_argument("--launcher", choices=["none", "pytorch", "slurm", "mpi"], default="none", help="job launcher")
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=0)
+
+
+def parse_launcher_args(parser, argv=None):
+    """Parse, and export LOCAL_RANK as torch.distributed.launch-style launchers expect."""
+    args = parser.parse_args(argv)
+    os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
+    return args
+
+
+def build_runner(cfg: Config):
+    return Runner.from_cfg(cfg) if "runner_type" not in cfg else RUNNERS.build(cfg)

@@ -4,14 +4,11 @@
 """
 
 import argparse
-import os
 
 from mmengine.config import DictAction
-from mmengine.registry import RUNNERS
-from mmengine.runner import Runner
 
 import mmdeform_tma  # noqa: F401  (MultiScaleDeformableAttention takes backend=; honours MMDEFORM_TMA_BACKEND)
-from runner_setup import allow_mmengine_checkpoints, load_config
+from runner_setup import add_launcher_args, allow_mmengine_checkpoints, build_runner, load_config, parse_launcher_args
 
 
 def parse_args(argv=None):
@@ -21,12 +18,8 @@ def parse_args(argv=None):
     parser.add_argument("--work-dir", help="the directory to save the evaluation metrics")
     parser.add_argument("--out", type=str, help="dump predictions to a pickle file for offline evaluation")
     parser.add_argument("--cfg-options", nargs="+", action=DictAction, help="override config settings, key=value")
-    parser.add_argument("--launcher", choices=["none", "pytorch", "slurm", "mpi"], default="none", help="job launcher")
-    parser.add_argument("--local_rank", "--local-rank", type=int, default=0)
-    args = parser.parse_args(argv)
-    if "LOCAL_RANK" not in os.environ:
-        os.environ["LOCAL_RANK"] = str(args.local_rank)
-    return args
+    add_launcher_args(parser)
+    return parse_launcher_args(parser, argv)
 
 
 def main(argv=None):
@@ -38,7 +31,7 @@ def main(argv=None):
         assert args.out.endswith((".pkl", ".pickle")), "--out must be a .pkl file"
         cfg.test_evaluator = [cfg.test_evaluator] if not isinstance(cfg.test_evaluator, list) else cfg.test_evaluator
         cfg.test_evaluator.append(dict(type="DumpDetResults", out_file_path=args.out))
-    runner = Runner.from_cfg(cfg) if "runner_type" not in cfg else RUNNERS.build(cfg)
+    runner = build_runner(cfg)
     runner.test()
 
 

@@ -8,14 +8,11 @@
 """
 
 import argparse
-import os
 
 from mmengine.config import Config, DictAction
-from mmengine.registry import RUNNERS
-from mmengine.runner import Runner
 
 import mmdeform_tma  # noqa: F401  (MultiScaleDeformableAttention takes backend=; honours MMDEFORM_TMA_BACKEND)
-from runner_setup import allow_mmengine_checkpoints, load_config
+from runner_setup import add_launcher_args, allow_mmengine_checkpoints, build_runner, load_config, parse_launcher_args
 
 
 def parse_args(argv=None):
@@ -43,12 +40,8 @@ def parse_args(argv=None):
         action=DictAction,
         help="override config settings, key=value (e.g. model.encoder.layer_cfg.self_attn_cfg.backend=tma_ws)",
     )
-    parser.add_argument("--launcher", choices=["none", "pytorch", "slurm", "mpi"], default="none", help="job launcher")
-    parser.add_argument("--local_rank", "--local-rank", type=int, default=0)
-    args = parser.parse_args(argv)
-    if "LOCAL_RANK" not in os.environ:
-        os.environ["LOCAL_RANK"] = str(args.local_rank)
-    return args
+    add_launcher_args(parser)
+    return parse_launcher_args(parser, argv)
 
 
 def build_config(args) -> Config:
@@ -78,7 +71,7 @@ def main(argv=None):
 
     setup_cache_size_limit_of_dynamo()
     cfg = build_config(args)
-    runner = Runner.from_cfg(cfg) if "runner_type" not in cfg else RUNNERS.build(cfg)
+    runner = build_runner(cfg)
     runner.train()
 
 
