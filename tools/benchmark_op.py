@@ -4,6 +4,7 @@
     python tools/benchmark_op.py --presets detr_enc_bs2 --dtypes float16 bfloat16
     python tools/benchmark_op.py --batch 2 --spatial-size 100x152 --num-query 300 --num-levels 1
     python tools/benchmark_op.py --device cpu                    # reference backend, tiny preset
+    python tools/benchmark_op.py --presets detr_enc_bs2 --directions backward --deterministic   # + fixed-point path
 
 Times with CUDA events over CUDA-graph replays (eager when a backend cannot be captured), after
 warm-up, rotating several input sets so that the 50 MB L2 cannot hold them all. Reports median,
@@ -15,6 +16,7 @@ over mmcv's kernel measured in the same run. Writes JSON, Markdown and a PNG cha
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import sys
@@ -60,6 +62,7 @@ class Shape:
         )
 
 
+COMPILED_BACKENDS = ("cuda", "tma", "tma_ws")
 PRESETS = {
     s.name: s
     for s in [
@@ -178,6 +181,16 @@ def timed_calls(backend: str, direction: str, input_sets: list) -> list:
     return calls
 
 
+@contextlib.contextmanager
+def deterministic_algorithms(enabled: bool):
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(enabled)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(previous)
+
+
 def peak_extra_memory(call) -> float:
     """Peak memory one call allocates on top of what is live before it, in MiB."""
     torch.cuda.synchronize()
@@ -240,6 +253,10 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=None)
     p.add_argument("--iters", type=int, default=None)
     p.add_argument("--accuracy-queries", type=int, default=2048)
+    p.add_argument(
+        "--deterministic", action="store_true",
+        help="also time each compiled backend's deterministic backward, as BACKEND+det",
+    )
     p.add_argument("--no-graphs", action="store_true", help="time eager calls instead of CUDA-graph replays")
     p.add_argument("--out", type=Path, default=Path("bench_results/op"), help="output prefix (.json .md .png)")
     p.add_argument("--render", type=Path, help="only rewrite the Markdown and PNG of a saved JSON (to --out)")
@@ -267,7 +284,13 @@ def main(argv=None) -> int:
     env = bench_common.environment(device)
     bandwidth = bench_common.measure_copy_bandwidth(device) if on_gpu else None
     env["copy_bandwidth_GBps"] = bandwidth / 1e9 if bandwidth else None
-    jobs = [(s, d, loc, b, direction) for s in shapes for d in dtypes for loc in args.locality for b in backends for direction in args.directions]
+    if args.deterministic:
+        backends = [*backends, *(f"{b}+det" for b in backends if b in COMPILED_BACKENDS)]
+    jobs = [
+        (s, d, loc, b, direction)
+        for s in shapes for d in dtypes for loc in args.locality for b in backends for direction in args.directions
+        if not (b.endswith("+det") and direction == "forward")  # the forward has one path
+    ]
     rows: list[Row] = []
     cache = {}
     for shape, dtype, locality, backend, direction in bench_common.progress(jobs, len(jobs), "benchmark"):
@@ -281,17 +304,19 @@ def main(argv=None) -> int:
             cache[key] = [probe] + [make_inputs(shape, dtype, locality, device, seed) for seed in range(1, rotations)]
         input_sets = cache[key]
         row = Row(shape.name, shape.describe(), str(dtype).removeprefix("torch."), locality, backend, direction)
+        name, _, mode = backend.partition("+")
         try:
             if direction == "forward":
-                row.accuracy = accuracy(backend, input_sets[0], args.accuracy_queries)
+                row.accuracy = accuracy(name, input_sets[0], args.accuracy_queries)
             # the reference reads level shapes on the host: it cannot be captured in a CUDA graph
-            graphs = not args.no_graphs and backend != "pytorch"
-            samples, row.timing_mode = bench_common.time_calls(
-                device, timed_calls(backend, direction, input_sets), warmup, iters, use_graphs=graphs
-            )
+            graphs = not args.no_graphs and name != "pytorch"
+            with deterministic_algorithms(mode == "det"):
+                samples, row.timing_mode = bench_common.time_calls(
+                    device, timed_calls(name, direction, input_sets), warmup, iters, use_graphs=graphs
+                )
+                if on_gpu:
+                    row.peak_extra_mb = peak_extra_memory(timed_calls(name, direction, input_sets[:1])[0])
             row.timing = bench_common.summarize(samples)
-            if on_gpu:
-                row.peak_extra_mb = peak_extra_memory(timed_calls(backend, direction, input_sets[:1])[0])
             row.bytes = compulsory_bytes(shape, dtype, direction)
             row.gbps = row.bytes / (row.timing["median_ms"] / 1e3) / 1e9
             if bandwidth:

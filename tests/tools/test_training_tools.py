@@ -63,3 +63,39 @@ def test_train_evaluate_and_resume_with_another_backend(dataset, tmp_path):
     assert "resumed epoch: 1" in resumed and "Epoch(train) [2][2/2]" in resumed
     tested = run("tools/test.py", TINY, str(work / "epoch_2.pth"), "--work-dir", str(tmp_path / "test"), "--cfg-options", *data_options(dataset))
     assert "coco/bbox_mAP" in tested
+
+
+def test_global_loss_is_logged_and_two_identical_runs_compare_within_noise(dataset, tmp_path):
+    config = tmp_path / "tiny_with_global_loss.py"
+    config.write_text(
+        f"_base_ = '{ROOT / TINY}'\n"
+        "custom_imports = dict(imports=['mmdeform_tma', 'mmdeform_tma.integrations.mmengine_hooks'])\n"
+        "custom_hooks = [dict(type='LossOverRanksHook')]\n"
+    )
+    options = [
+        *data_options(dataset), "train_cfg.max_epochs=2", "train_cfg.val_interval=3", "default_hooks.checkpoint.interval=3",
+        "default_hooks.logger.interval=1", "log_processor.window_size=1", "randomness.seed=0",
+    ]
+    for name in ("a", "b"):
+        run("tools/train.py", str(config), "--work-dir", str(tmp_path / name), "--cfg-options", *options)
+    records = [json.loads(line) for line in next((tmp_path / "a").glob("*/vis_data/scalars.json")).read_text().splitlines()]
+    train = [r for r in records if "loss" in r]
+    assert len(train) == 4 and all(r["global_loss"] == pytest.approx(r["loss"], rel=1e-6) for r in train)  # one rank
+    out = run("tools/compare_loss_curves.py", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "cmp"))
+    assert "within noise" in out and "NOT" not in out
+    result = json.loads((tmp_path / "cmp.json").read_text())
+    assert result["iterations"] == 4 and result["max_rel_diff_first"] < 1e-5
+    assert (tmp_path / "cmp.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_compare_loss_curves_flags_curves_apart(tmp_path):
+    sys.path.insert(0, str(ROOT / "tools"))
+    import compare_loss_curves
+
+    reference = {s: 10.0 - 0.1 * s + (0.05 if s % 2 else -0.05) for s in range(1, 21)}
+    close = {s: v * (1 + 1e-4) for s, v in reference.items()}
+    apart = {s: v + 2.0 for s, v in reference.items()}
+    assert compare_loss_curves.compare(reference, close)["within_noise"]
+    assert not compare_loss_curves.compare(reference, apart)["within_noise"]
+    with pytest.raises(ValueError, match="share only"):
+        compare_loss_curves.compare(reference, {100: 1.0})

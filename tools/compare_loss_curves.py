@@ -1,0 +1,107 @@
+"""Compare the training-loss curves of two mmengine work dirs (e.g. one GPU against DDP on two).
+
+    python tools/compare_loss_curves.py work_dirs/parity_1gpu work_dirs/parity_2gpu [--out report]
+
+Reads each run's newest `*/vis_data/scalars.json` and takes `global_loss` (the loss averaged over
+ranks, logged by mmdeform_tma's LossOverRanksHook) where logged, else `loss`. "Within noise" means:
+the RMS of the difference between the curves is at most the RMS of the reference curve's own
+iteration-to-iteration change. Also reported: the largest relative difference over the first
+iterations (where the runs should still agree to rounding) and the means over the last ten.
+Exits 1 when the curves are not within noise. --out writes JSON and a PNG of both curves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+
+def find_scalars(work_dir: Path) -> Path:
+    candidates = sorted(work_dir.glob("*/vis_data/scalars.json"), key=lambda p: p.stat().st_mtime)
+    if not candidates:
+        raise FileNotFoundError(f"{work_dir}: no */vis_data/scalars.json (is it an mmengine work dir?)")
+    return candidates[-1]
+
+
+def read_curve(path: Path) -> dict[int, float]:
+    """Training iteration -> loss."""
+    curve = {}
+    for line in path.read_text().splitlines():
+        record = json.loads(line)
+        if "loss" not in record or "iter" not in record:
+            continue  # validation records
+        curve[int(record["step"] if "step" in record else record["iter"])] = float(record.get("global_loss", record["loss"]))
+    if not curve:
+        raise ValueError(f"{path}: no training losses")
+    return curve
+
+
+def rms(values: list[float]) -> float:
+    return math.sqrt(sum(v * v for v in values) / len(values)) if values else float("nan")
+
+
+def compare(reference: dict[int, float], other: dict[int, float], head: int = 5, tail: int = 10) -> dict:
+    steps = sorted(set(reference) & set(other))
+    if len(steps) < 3:
+        raise ValueError(f"the runs share only {len(steps)} logged iterations")
+    a = [reference[s] for s in steps]
+    b = [other[s] for s in steps]
+    difference = rms([x - y for x, y in zip(a, b)])
+    noise = rms([a[i + 1] - a[i] for i in range(len(a) - 1)])
+    return {
+        "iterations": len(steps),
+        "rms_difference": difference,
+        "rms_step_change": noise,
+        "within_noise": difference <= noise,
+        "max_rel_diff_first": max(abs(x - y) / abs(x) for x, y in zip(a[:head], b[:head])),
+        "first_iterations": head,
+        "mean_last_reference": sum(a[-tail:]) / len(a[-tail:]),
+        "mean_last_other": sum(b[-tail:]) / len(b[-tail:]),
+        "steps": steps,
+        "reference": a,
+        "other": b,
+    }
+
+
+def plot(path: Path, result: dict, labels: tuple[str, str]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    ax.plot(result["steps"], result["reference"], label=labels[0], lw=1.2)
+    ax.plot(result["steps"], result["other"], label=labels[1], lw=1.2, ls="--")
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("training loss")
+    ax.legend()
+    ax.set_title(f"RMS difference {result['rms_difference']:.3g} vs step noise {result['rms_step_change']:.3g}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("reference", type=Path, help="work dir of the reference run (e.g. one GPU)")
+    p.add_argument("other", type=Path, help="work dir of the run to check (e.g. DDP)")
+    p.add_argument("--out", type=Path, help="write OUT.json and OUT.png")
+    args = p.parse_args(argv)
+    result = compare(read_curve(find_scalars(args.reference)), read_curve(find_scalars(args.other)))
+    print(f"{result['iterations']} iterations: RMS difference {result['rms_difference']:.4g}, "
+          f"RMS iteration-to-iteration change {result['rms_step_change']:.4g} -> "
+          f"{'within noise' if result['within_noise'] else 'NOT within noise'}")
+    print(f"largest relative difference over the first {result['first_iterations']} iterations: {result['max_rel_diff_first']:.2e}")
+    print(f"mean of the last ten: {result['mean_last_reference']:.4f} ({args.reference}) vs {result['mean_last_other']:.4f} ({args.other})")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.with_suffix(".json").write_text(json.dumps({k: v for k, v in result.items()}, indent=1) + "\n")
+        plot(args.out.with_suffix(".png"), result, (str(args.reference), str(args.other)))
+    return 0 if result["within_noise"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
