@@ -51,9 +51,28 @@ __device__ __forceinline__ Vec<scalar_t, N> load_vec(const scalar_t* ptr) {
   return out;
 }
 
+// An explicit ld.shared: through a generic pointer ptxas emits generic loads (LD, tracked on the
+// long scoreboard like global loads) for data that is always in shared memory. Volatile, so it is
+// never moved above the mbarrier wait that makes the data visible.
 template <typename scalar_t, int N>
 __device__ __forceinline__ Vec<scalar_t, N> load_shared_vec(const scalar_t* ptr) {
-  return *reinterpret_cast<const Vec<scalar_t, N>*>(ptr);
+  constexpr int kBytes = N * sizeof(scalar_t);
+  Vec<scalar_t, N> out;
+  const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(ptr));
+  if constexpr (kBytes == 16) {
+    uint4 raw;
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(raw.x), "=r"(raw.y), "=r"(raw.z), "=r"(raw.w)
+                 : "r"(address));
+    *reinterpret_cast<uint4*>(&out) = raw;
+  } else if constexpr (kBytes == 8) {
+    uint2 raw;
+    asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(raw.x), "=r"(raw.y) : "r"(address));
+    *reinterpret_cast<uint2*>(&out) = raw;
+  } else {
+    out = *reinterpret_cast<const Vec<scalar_t, N>*>(ptr);
+  }
+  return out;
 }
 
 template <typename scalar_t, int N>

@@ -1,12 +1,17 @@
 // What the two Hopper backends share: the per-point metadata a producer writes to shared memory,
 // the TMA loads of a point's corners, and the consumer-side math of one point.
 //
-// Team layout: one item (batch, query, head) per team of 2 x (channels x elsize / 16) lanes. The
+// Team layout: one item (batch, query, head) per team of 2 x (channels x elsize / chunk) lanes. The
 // left half of the team reads the left corner column (x0), the right half the right one (x0 + 1),
-// 16 bytes per lane, so eight consecutive lanes read one contiguous 128-byte run of a TMA box:
-// conflict-free shared-memory reads. A point's corners arrive as two boxes, one per row (y0, y0+1),
-// each holding the two horizontally adjacent keys of that row.
+// one chunk of 16 or 8 bytes per lane, so a team reads its box as one contiguous run: 8 lanes
+// (16-byte chunks) or 16 lanes (8-byte chunks) cover 128 bytes, one conflict-free shared-memory
+// wavefront when boxes fill their 128-byte slots (rows of 64 bytes or more). A point's corners
+// arrive as two boxes, one per row (y0, y0+1), each holding the two horizontally adjacent keys of
+// that row. The chunk size only changes how consumers read a box: boxes, slots and the producers'
+// work are the same for both.
 #pragma once
+
+#include <type_traits>
 
 #include "../common/device_utils.cuh"
 #include "../common/grad_accumulation.cuh"
@@ -25,20 +30,43 @@ struct alignas(16) PointMeta {
   unsigned valid;     // corner bits (Corner order); 0: the point misses the level
 };
 
-// Sizes of the team layout; channels x elsize is 16, 32, 64, 128 or 256 bytes (checked on the host).
+// Bytes of a corner row one lane reads: 16, except in the backward of 2-byte dtypes. There a
+// 16-byte chunk is 8 fp32 value-gradient contributions, two v4 reductions that each cover half of
+// every 32-byte sector across the lanes: twice the L2 reduction operations. With 8-byte chunks a
+// lane's contribution is one v4 reduction and 8 consecutive lanes cover 128 contiguous bytes. The
+// team doubles, so this needs rows of at most 128 bytes (a team fits a warp).
+inline int backward_chunk_bytes(int channels, int element_size) {
+  return element_size == 2 && channels * element_size <= 128 ? 8 : 16;
+}
+
+// Calls launch(std::integral_constant<int, chunk bytes>{}) with the backward's chunk size; only
+// the 2-byte dtypes instantiate the 8-byte variant.
+template <typename scalar_t, typename Launch>
+void with_backward_chunk(int channels, Launch&& launch) {
+  if constexpr (sizeof(scalar_t) == 2) {
+    if (backward_chunk_bytes(channels, sizeof(scalar_t)) == 8) {
+      launch(std::integral_constant<int, 8>{});
+      return;
+    }
+  }
+  launch(std::integral_constant<int, 16>{});
+}
+
+// Sizes of the team layout; channels x elsize is 16, 32, 64, 128 or 256 bytes (checked on the host),
+// and row_bytes / chunk_bytes x 2 lanes fit a warp (backward_chunk_bytes).
 struct TeamShape {
   int row_bytes;        // one corner: channels x elsize
-  int chunk_lanes;      // lanes per corner column
+  int chunk_lanes;      // lanes per corner column: row_bytes / chunk bytes
   int team;             // lanes per item
   int items_per_warp;   // 32 / team
   int box_bytes;        // one TMA box: 2 keys of one head
   int slot_bytes;       // a box's place in shared memory, 128-byte aligned
 };
 
-__host__ __device__ inline TeamShape team_shape(int channels, int element_size) {
+__host__ __device__ inline TeamShape team_shape(int channels, int element_size, int chunk_bytes) {
   TeamShape s;
   s.row_bytes = channels * element_size;
-  s.chunk_lanes = s.row_bytes / 16;
+  s.chunk_lanes = s.row_bytes / chunk_bytes;
   s.team = 2 * s.chunk_lanes;
   s.items_per_warp = 32 / s.team;
   s.box_bytes = 2 * s.row_bytes;
@@ -51,7 +79,7 @@ struct LaneRole {
   int group;   // which of the warp's items
   int lane;    // lane within the team
   int column;  // 0: left corners (x0), 1: right corners (x0 + 1)
-  int chunk;   // which 16-byte chunk of the channels
+  int chunk;   // which chunk of the channels
   bool active;
 };
 
@@ -114,13 +142,13 @@ __device__ __forceinline__ void issue_point_loads(
   if (m.valid & 12u) tma_load_2d(row1_slot, map, column, m.key + m.width, bar);
 }
 
-// This lane's 16-byte chunk of its column's two corners, zeroed where the corner is outside the
-// level (the slot then holds stale or foreign data, which may even be non-finite).
+// This lane's chunk (VEC elements) of its column's two corners, zeroed where the corner is outside
+// the level (the slot then holds stale or foreign data, which may even be non-finite).
 template <typename scalar_t, int VEC>
 __device__ __forceinline__ void load_lane_corners(
     const PointMeta<coord_type<scalar_t>>& m, const char* row0_slot, const char* row1_slot, const LaneRole& r,
     const TeamShape& s, Vec<scalar_t, VEC>& top, Vec<scalar_t, VEC>& bottom) {
-  const int offset = r.column * s.row_bytes + r.chunk * 16;
+  const int offset = r.column * s.row_bytes + r.chunk * static_cast<int>(VEC * sizeof(scalar_t));
   top = load_shared_vec<scalar_t, VEC>(reinterpret_cast<const scalar_t*>(row0_slot + offset));
   bottom = load_shared_vec<scalar_t, VEC>(reinterpret_cast<const scalar_t*>(row1_slot + offset));
   if (m.valid != 0xFu) {

@@ -61,7 +61,8 @@ __host__ __device__ inline WarpRing warp_ring(const TeamShape& s, int stages) {
       round(stages * 8)};
 }
 
-template <typename scalar_t, bool kBackward, typename Sink>
+// kChunkBytes: bytes of a corner row per lane (hopper::backward_chunk_bytes).
+template <typename scalar_t, bool kBackward, int kChunkBytes, typename Sink>
 __global__ void __launch_bounds__(kMaxWarps * 32, 1) tma_kernel(
     const __grid_constant__ CUtensorMap value_map,
     const Problem<scalar_t> p,
@@ -74,10 +75,11 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 1) tma_kernel(
 #if MMDEFORM_TMA_HOPPER_DEVICE
   using coord_t = coord_type<scalar_t>;
   using acc_t = acc_type<scalar_t>;
-  constexpr int VEC = 16 / sizeof(scalar_t);
+  constexpr int VEC = kChunkBytes / sizeof(scalar_t);
+  static_assert(kChunkBytes == 16 || (kBackward && sizeof(scalar_t) == 2 && kChunkBytes == 8), "unplanned chunk size");
   extern __shared__ char dynamic_smem[];
 
-  const TeamShape s = hopper::team_shape(p.channels, sizeof(scalar_t));
+  const TeamShape s = hopper::team_shape(p.channels, sizeof(scalar_t), kChunkBytes);
   const LaneRole role = hopper::lane_role(s);
   const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
   const int warps_per_block = blockDim.x / 32;
@@ -215,13 +217,13 @@ Config choose_config(int64_t config) {
 
 // Launches one persistent-style grid: enough warps to fill every SM at the occupancy the shared
 // memory allows, each walking its share of the item groups.
-template <typename scalar_t, bool kBackward, typename Sink>
+template <typename scalar_t, bool kBackward, int kChunkBytes, typename Sink>
 void launch(const ProblemTensors& problem, const Config& config, scalar_t* output, const scalar_t* grad_output,
             Sink sink, coord_type<scalar_t>* grad_locations, coord_type<scalar_t>* grad_weights) {
   using coord_t = coord_type<scalar_t>;
-  const TeamShape s = hopper::team_shape(static_cast<int>(problem.channels), sizeof(scalar_t));
+  const TeamShape s = hopper::team_shape(static_cast<int>(problem.channels), sizeof(scalar_t), kChunkBytes);
   const int smem = config.warps * warp_ring<coord_t>(s, config.stages).bytes() + 128;
-  auto kernel = tma_kernel<scalar_t, kBackward, Sink>;
+  auto kernel = tma_kernel<scalar_t, kBackward, kChunkBytes, Sink>;
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   int blocks_per_sm = 0;
   C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, kernel, config.warps * 32, smem));
@@ -247,8 +249,8 @@ at::Tensor forward(const ProblemTensors& problem, int64_t config) {
   const Config cfg = choose_config(config);
   MMDEFORM_TMA_DISPATCH_VALUE_TYPES(problem.value.scalar_type(), "mmdeform_tma tma forward", [&] {
     check_tma_problem<scalar_t>(problem, "tma");
-    launch<scalar_t, false>(problem, cfg, reinterpret_cast<scalar_t*>(output.data_ptr()), nullptr, hopper::NoSink{},
-                            nullptr, nullptr);
+    launch<scalar_t, false, 16>(problem, cfg, reinterpret_cast<scalar_t*>(output.data_ptr()), nullptr,
+                                hopper::NoSink{}, nullptr, nullptr);
   });
   return output;
 }
@@ -268,13 +270,16 @@ Gradients backward(const ProblemTensors& problem, const at::Tensor& grad_output,
     using coord_t = coord_type<scalar_t>;
     check_tma_problem<scalar_t>(problem, "tma");
     const auto* go = reinterpret_cast<const scalar_t*>(grad_output.data_ptr());
-    if (deterministic) {
-      launch<scalar_t, true>(problem, cfg, nullptr, go, grad_value.fixed_point_sink<scalar_t>(),
-                             grad_locations.data_ptr<coord_t>(), grad_weights.data_ptr<coord_t>());
-    } else {
-      launch<scalar_t, true>(problem, cfg, nullptr, go, grad_value.atomic_sink<scalar_t>(),
-                             grad_locations.data_ptr<coord_t>(), grad_weights.data_ptr<coord_t>());
-    }
+    hopper::with_backward_chunk<scalar_t>(static_cast<int>(problem.channels), [&](auto chunk) {
+      constexpr int kChunkBytes = decltype(chunk)::value;
+      if (deterministic) {
+        launch<scalar_t, true, kChunkBytes>(problem, cfg, nullptr, go, grad_value.fixed_point_sink<scalar_t>(),
+                                            grad_locations.data_ptr<coord_t>(), grad_weights.data_ptr<coord_t>());
+      } else {
+        launch<scalar_t, true, kChunkBytes>(problem, cfg, nullptr, go, grad_value.atomic_sink<scalar_t>(),
+                                            grad_locations.data_ptr<coord_t>(), grad_weights.data_ptr<coord_t>());
+      }
+    });
   });
   return {grad_value.finish(), grad_locations, grad_weights};
 }

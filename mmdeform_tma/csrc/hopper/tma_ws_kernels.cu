@@ -82,7 +82,8 @@ __host__ __device__ inline Layout smem_layout(const TeamShape& s, int producers,
   return l;
 }
 
-template <typename scalar_t, bool kBackward, typename Sink>
+// kChunkBytes: bytes of a corner row per lane (hopper::backward_chunk_bytes).
+template <typename scalar_t, bool kBackward, int kChunkBytes, typename Sink>
 __global__ void __launch_bounds__(kWarps * 32, 1) tma_ws_kernel(
     const __grid_constant__ CUtensorMap value_map,
     const Problem<scalar_t> p,
@@ -97,10 +98,11 @@ __global__ void __launch_bounds__(kWarps * 32, 1) tma_ws_kernel(
 #if MMDEFORM_TMA_HOPPER_DEVICE
   using coord_t = coord_type<scalar_t>;
   using acc_t = acc_type<scalar_t>;
-  constexpr int VEC = 16 / sizeof(scalar_t);
+  constexpr int VEC = kChunkBytes / sizeof(scalar_t);
+  static_assert(kChunkBytes == 16 || (kBackward && sizeof(scalar_t) == 2 && kChunkBytes == 8), "unplanned chunk size");
   extern __shared__ char dynamic_smem[];
 
-  const TeamShape s = hopper::team_shape(p.channels, sizeof(scalar_t));
+  const TeamShape s = hopper::team_shape(p.channels, sizeof(scalar_t), kChunkBytes);
   const Layout layout = smem_layout<coord_t>(s, producers, stages, points_per_stage);
   const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
   const int points = p.levels * p.points;
@@ -254,14 +256,14 @@ Config choose_config(int64_t config) {
 
 // One CTA per SM slot the shared memory allows (persistent), each walking tiles blockIdx.x,
 // blockIdx.x + gridDim.x, ...
-template <typename scalar_t, bool kBackward, typename Sink>
+template <typename scalar_t, bool kBackward, int kChunkBytes, typename Sink>
 void launch(const ProblemTensors& problem, const Config& config, scalar_t* output, const scalar_t* grad_output,
             Sink sink, coord_type<scalar_t>* grad_locations, coord_type<scalar_t>* grad_weights) {
   using coord_t = coord_type<scalar_t>;
-  const TeamShape s = hopper::team_shape(static_cast<int>(problem.channels), sizeof(scalar_t));
+  const TeamShape s = hopper::team_shape(static_cast<int>(problem.channels), sizeof(scalar_t), kChunkBytes);
   const Layout layout = smem_layout<coord_t>(s, config.producers, config.stages, config.points_per_stage);
   const int smem = layout.bytes() + 128;
-  auto kernel = tma_ws_kernel<scalar_t, kBackward, Sink>;
+  auto kernel = tma_ws_kernel<scalar_t, kBackward, kChunkBytes, Sink>;
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   int blocks_per_sm = 0;
   C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, kernel, kWarps * 32, smem));
@@ -292,8 +294,8 @@ at::Tensor forward(const ProblemTensors& problem, int64_t config) {
   check_problem_for_tma_ws(problem);
   const Config cfg = choose_config(config);
   MMDEFORM_TMA_DISPATCH_VALUE_TYPES(problem.value.scalar_type(), "mmdeform_tma tma_ws forward", [&] {
-    launch<scalar_t, false>(problem, cfg, reinterpret_cast<scalar_t*>(output.data_ptr()), nullptr, hopper::NoSink{},
-                            nullptr, nullptr);
+    launch<scalar_t, false, 16>(problem, cfg, reinterpret_cast<scalar_t*>(output.data_ptr()), nullptr,
+                                hopper::NoSink{}, nullptr, nullptr);
   });
   return output;
 }
@@ -313,13 +315,16 @@ Gradients backward(const ProblemTensors& problem, const at::Tensor& grad_output,
   MMDEFORM_TMA_DISPATCH_VALUE_TYPES(problem.value.scalar_type(), "mmdeform_tma tma_ws backward", [&] {
     using coord_t = coord_type<scalar_t>;
     const auto* go = reinterpret_cast<const scalar_t*>(grad_output.data_ptr());
-    if (deterministic) {
-      launch<scalar_t, true>(problem, cfg, nullptr, go, grad_value.fixed_point_sink<scalar_t>(),
-                             grad_locations.data_ptr<coord_t>(), grad_weights.data_ptr<coord_t>());
-    } else {
-      launch<scalar_t, true>(problem, cfg, nullptr, go, grad_value.atomic_sink<scalar_t>(),
-                             grad_locations.data_ptr<coord_t>(), grad_weights.data_ptr<coord_t>());
-    }
+    hopper::with_backward_chunk<scalar_t>(static_cast<int>(problem.channels), [&](auto chunk) {
+      constexpr int kChunkBytes = decltype(chunk)::value;
+      if (deterministic) {
+        launch<scalar_t, true, kChunkBytes>(problem, cfg, nullptr, go, grad_value.fixed_point_sink<scalar_t>(),
+                                            grad_locations.data_ptr<coord_t>(), grad_weights.data_ptr<coord_t>());
+      } else {
+        launch<scalar_t, true, kChunkBytes>(problem, cfg, nullptr, go, grad_value.atomic_sink<scalar_t>(),
+                                            grad_locations.data_ptr<coord_t>(), grad_weights.data_ptr<coord_t>());
+      }
+    });
   });
   return {grad_value.finish(), grad_locations, grad_weights};
 }
