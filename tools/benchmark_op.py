@@ -282,6 +282,8 @@ def main(argv=None) -> int:
         print("no GPU: running the reference backend on the CPU (timings are CPU wall clock)", file=sys.stderr)
 
     env = bench_common.environment(device)
+    if on_gpu:
+        bench_common.warm_up_gpu(device)
     bandwidth = bench_common.measure_copy_bandwidth(device) if on_gpu else None
     env["copy_bandwidth_GBps"] = bandwidth / 1e9 if bandwidth else None
     if args.deterministic:
