@@ -102,9 +102,13 @@ class DetrNetwork(torch.nn.Module):
 
 
 def disable_dropout(model) -> None:
+    """Every dropout: the modules, and torch's MultiheadAttention, which drops attention weights
+    through its `dropout` float (mmcv's MultiheadAttention wraps it with attn_drop=0.1)."""
     for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
+        if isinstance(module, torch.nn.modules.dropout._DropoutNd):
             module.p = 0.0
+        elif isinstance(module, torch.nn.MultiheadAttention):
+            module.dropout = 0.0
 
 
 def geometry_of(sample) -> tuple:
@@ -140,7 +144,7 @@ def train(detector, optim_wrapper, batches, losses_of) -> tuple[list[float], lis
         optim_wrapper.update_params(loss)
         torch.cuda.synchronize()
         times.append((time.perf_counter() - start) * 1e3)
-        losses.append(float(loss))
+        losses.append(loss.item())
     return losses, times
 
 

@@ -79,3 +79,14 @@ def test_without_a_gpu_the_tool_says_so(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert cuda_graph_train_step.main([]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_disable_dropout_reaches_attention_dropout(tiny):
+    from cuda_graph_train_step import disable_dropout
+
+    model, _ = tiny
+    mha = [m for m in model.modules() if isinstance(m, torch.nn.MultiheadAttention)]
+    assert mha and any(m.dropout > 0 for m in mha)  # mmcv's decoder self-attention: attn_drop=0.1
+    disable_dropout(model)
+    assert all(m.dropout == 0 for m in mha)
+    assert all(m.p == 0 for m in model.modules() if isinstance(m, torch.nn.Dropout))

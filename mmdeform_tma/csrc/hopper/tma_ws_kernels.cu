@@ -5,11 +5,13 @@
 // compute each point's metadata once, write it to shared memory and issue its TMA boxes; consumers
 // interpolate (forward) or scatter gradients (backward) from shared memory.
 //
-// Hand-over per stage: `full[s]` (arrival count = producer warps, plus the TMA bytes) and
-// `empty[s]` (arrival count = consumer warps). Every producer warp arrives on every full barrier and
-// every consumer warp on every empty barrier, whatever the stage holds (a partial last tile, items
-// past the end, points missing every level): arrival counts never depend on the data, which is
-// what the earlier prototype's hang violated. CTAs walk a static, strided tile schedule, so both
+// Hand-over per stage: `full[s]` (arrival count = producer threads, plus the TMA bytes) and
+// `empty[s]` (arrival count = consumer threads). Every producer thread arrives on every full barrier
+// and every consumer thread on every empty barrier, whatever the stage holds (a partial last tile,
+// items past the end, points missing every level): arrival counts never depend on the data, which
+// is what the earlier prototype's hang violated. Each thread's own arrive releases its own shared
+// memory accesses, so the hand-over needs no warp-level reasoning (and compute-sanitizer's
+// racecheck can follow it). CTAs walk a static, strided tile schedule, so both
 // roles know the number of stages without talking to each other.
 #include <c10/cuda/CUDAException.h>
 
@@ -145,8 +147,8 @@ __global__ void __launch_bounds__(kWarps * 32, 1) tma_ws_kernel(
   if (threadIdx.x == 0) {
     hopper::prefetch_tensor_map(&value_map);
     for (int i = 0; i < stages; ++i) {
-      hopper::mbarrier_init(&full[i], producers);
-      hopper::mbarrier_init(&empty[i], kWarps - producers);
+      hopper::mbarrier_init(&full[i], producers * 32);
+      hopper::mbarrier_init(&empty[i], (kWarps - producers) * 32);
     }
     hopper::fence_mbarrier_init();
   }
@@ -168,9 +170,12 @@ __global__ void __launch_bounds__(kWarps * 32, 1) tma_ws_kernel(
         bytes += hopper::point_load_bytes(m, s);
       }
       bytes = __reduce_add_sync(0xffffffffu, bytes);
-      __syncwarp();  // every lane's metadata is written before lane 0's arrive releases the stage
-      if (lane == 0) hopper::mbarrier_arrive_expect_tx(&full[stage], bytes);
-      __syncwarp();
+      if (lane == 0) {
+        hopper::mbarrier_arrive_expect_tx(&full[stage], bytes);
+      } else {
+        hopper::mbarrier_arrive(&full[stage]);
+      }
+      __syncwarp();  // the expected bytes are posted before any of this warp's loads is issued
       hopper::fence_proxy_async_shared();
       for (int pair = warp * 32 + lane; pair < pairs; pair += producers * 32) {
         const PointMeta<coord_t>& m = meta[stage * pairs + pair];
@@ -226,8 +231,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) tma_ws_kernel(
         hopper::accumulate_point<scalar_t, VEC>(m, row0, row1, role, s, acc);
       }
     }
-    __syncwarp();
-    if (lane == 0) hopper::mbarrier_arrive(&empty[stage]);
+    hopper::mbarrier_arrive(&empty[stage]);
     if constexpr (!kBackward) {
       if (chunk == chunks - 1) {
         hopper::store_item_output<scalar_t, VEC>(acc, role, s, item_valid, output + static_cast<int64_t>(item) * p.channels);
