@@ -31,9 +31,10 @@ train_dataloader = dict(
     dataset=dict(pipeline=parity_pipeline))
 
 max_epochs = 1
-train_cfg = dict(max_epochs=max_epochs, val_interval=max_epochs + 1)
+train_cfg = dict(max_epochs=max_epochs)
 param_scheduler = []
 randomness = dict(seed=0)
 custom_hooks = [dict(type='LossOverRanksHook')]
 default_hooks = dict(logger=dict(type='LoggerHook', interval=1), checkpoint=dict(type='CheckpointHook', interval=max_epochs + 1, save_last=False))
 log_processor = dict(window_size=1)
+val_cfg = val_dataloader = val_evaluator = None  # training curves only
