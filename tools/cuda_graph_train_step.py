@@ -186,7 +186,7 @@ def parse_args(argv=None):
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--image-size", default="800x1216", help="HxW")
     p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--rtol", type=float, default=1e-3, help="largest relative loss difference accepted")
+    p.add_argument("--rtol", type=float, default=1e-4, help="largest relative loss difference accepted")
     return p.parse_args(argv)
 
 

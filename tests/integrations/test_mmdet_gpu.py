@@ -126,5 +126,5 @@ def test_full_detector_training_replays_from_cuda_graphs(backend):
     from cuda_graph_train_step import compare
 
     result = compare(CONFIG, backend, batch_size=2, height=512, width=640, steps=3)
-    assert result["max_rel_diff"] < 1e-3, result
+    assert result["max_rel_diff"] < 1e-4, result
     assert result["eager_losses"][0] != result["eager_losses"][-1]  # the weights did move

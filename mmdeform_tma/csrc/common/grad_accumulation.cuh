@@ -14,7 +14,11 @@
 
 #include <ATen/ATen.h>
 
+#include <type_traits>
+
 #include "device_utils.cuh"
+#include "dtype_dispatch.cuh"
+#include "launchers.h"
 
 namespace mmdeform_tma {
 
@@ -146,5 +150,38 @@ class ValueGradient {
   int64_t contributions_per_element_ = 0;
   bool deterministic_;
 };
+
+// What every compiled backend's backward shares: the gradient tensors, the answer for problems
+// with nothing to sample, the dtype dispatch, and the value-gradient sink `deterministic` asks for.
+// `launch(sink, grad_output, grad_locations, grad_weights)` gets typed pointers (the value type is
+// grad_output's pointee, see ScalarOf) and launches the backend's kernel.
+template <typename Pointer>
+using ScalarOf = std::remove_const_t<std::remove_pointer_t<Pointer>>;
+
+template <typename Launch>
+Gradients run_backward(const ProblemTensors& problem, const at::Tensor& grad_output, bool deterministic,
+                       const char* what, Launch&& launch) {
+  const auto coordinate_grads = coordinate_gradients(problem);
+  const at::Tensor& grad_locations = coordinate_grads.first;
+  const at::Tensor& grad_weights = coordinate_grads.second;
+  ValueGradient grad_value(problem, grad_output, deterministic);
+  if (problem.empty_output() || problem.levels == 0 || problem.points == 0) {
+    grad_locations.zero_();
+    grad_weights.zero_();
+    return {grad_value.finish(), grad_locations, grad_weights};
+  }
+  MMDEFORM_TMA_DISPATCH_VALUE_TYPES(problem.value.scalar_type(), what, [&] {
+    using coord_t = coord_type<scalar_t>;
+    const auto* go = reinterpret_cast<const scalar_t*>(grad_output.data_ptr());
+    if (deterministic) {
+      launch(grad_value.fixed_point_sink<scalar_t>(), go, grad_locations.data_ptr<coord_t>(),
+             grad_weights.data_ptr<coord_t>());
+    } else {
+      launch(grad_value.atomic_sink<scalar_t>(), go, grad_locations.data_ptr<coord_t>(),
+             grad_weights.data_ptr<coord_t>());
+    }
+  });
+  return {grad_value.finish(), grad_locations, grad_weights};
+}
 
 }  // namespace mmdeform_tma

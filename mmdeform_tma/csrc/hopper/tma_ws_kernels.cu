@@ -305,32 +305,15 @@ at::Tensor forward(const ProblemTensors& problem, int64_t config) {
 }
 
 Gradients backward(const ProblemTensors& problem, const at::Tensor& grad_output, int64_t config, bool deterministic) {
-  const auto coordinate_grads = coordinate_gradients(problem);
-  const at::Tensor& grad_locations = coordinate_grads.first;
-  const at::Tensor& grad_weights = coordinate_grads.second;
-  ValueGradient grad_value(problem, grad_output, deterministic);
-  if (problem.empty_output() || problem.levels == 0 || problem.points == 0) {
-    grad_locations.zero_();
-    grad_weights.zero_();
-    return {grad_value.finish(), grad_locations, grad_weights};
-  }
-  check_problem_for_tma_ws(problem);
-  const Config cfg = choose_config(config);
-  MMDEFORM_TMA_DISPATCH_VALUE_TYPES(problem.value.scalar_type(), "mmdeform_tma tma_ws backward", [&] {
-    using coord_t = coord_type<scalar_t>;
-    const auto* go = reinterpret_cast<const scalar_t*>(grad_output.data_ptr());
+  return run_backward(problem, grad_output, deterministic, "mmdeform_tma tma_ws backward",
+                      [&](auto sink, const auto* go, auto* grad_locations, auto* grad_weights) {
+    using scalar_t = ScalarOf<decltype(go)>;
+    check_problem_for_tma_ws(problem);
+    const Config cfg = choose_config(config);
     hopper::with_backward_chunk<scalar_t>(static_cast<int>(problem.channels), [&](auto chunk) {
-      constexpr int kChunkBytes = decltype(chunk)::value;
-      if (deterministic) {
-        launch<scalar_t, true, kChunkBytes>(problem, cfg, nullptr, go, grad_value.fixed_point_sink<scalar_t>(),
-                                            grad_locations.data_ptr<coord_t>(), grad_weights.data_ptr<coord_t>());
-      } else {
-        launch<scalar_t, true, kChunkBytes>(problem, cfg, nullptr, go, grad_value.atomic_sink<scalar_t>(),
-                                            grad_locations.data_ptr<coord_t>(), grad_weights.data_ptr<coord_t>());
-      }
+      launch<scalar_t, true, decltype(chunk)::value>(problem, cfg, nullptr, go, sink, grad_locations, grad_weights);
     });
   });
-  return {grad_value.finish(), grad_locations, grad_weights};
 }
 
 }  // namespace tma_ws
