@@ -10,10 +10,12 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -70,13 +72,85 @@ def measure_copy_bandwidth(device: torch.device) -> float | None:
     return 2 * src.numel() / statistics.median(times)
 
 
-def summarize(samples_ms: list[float]) -> dict:
-    ordered = sorted(samples_ms)
+def summarize(samples: list[float], unit: str = "ms") -> dict:
+    ordered = sorted(samples)
 
     def pct(q):
         return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
-    return {"median_ms": statistics.median(ordered), "p90_ms": pct(0.9), "p99_ms": pct(0.99), "samples": len(ordered)}
+    return {
+        f"median_{unit}": statistics.median(ordered), f"p90_{unit}": pct(0.9), f"p99_{unit}": pct(0.99), "samples": len(ordered)
+    }
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def host_wall_per_call(
+    call: Callable[[], object], device: torch.device, calls: int, repeats: int, warmup: int
+) -> list[float]:
+    """Eager wall time per call in microseconds, one sample per repeat of `calls` back-to-back calls.
+    The device is synchronised before and after each repeat, so a sample is the host's cost per
+    call unless the device is the slower side (then it is the device's)."""
+    for _ in range(warmup):
+        call()
+    samples = []
+    for _ in range(repeats):
+        synchronize(device)
+        start = time.perf_counter()
+        for _ in range(calls):
+            call()
+        synchronize(device)
+        samples.append((time.perf_counter() - start) / calls * 1e6)
+    return samples
+
+
+@dataclass
+class BoundCall:
+    """One MSDA implementation bound to one input set, in that implementation's own convention."""
+
+    leaves: tuple[torch.Tensor, ...]  # the differentiable inputs it takes
+    run: Callable[..., torch.Tensor]  # leaves -> output (bs, queries, heads * channels)
+    gradients: Callable[[tuple], dict]  # the leaves' gradients, named as in the accuracy records
+    failures_are_results: bool = False  # a compared foreign kernel: its exceptions are recorded, not raised
+    launch_spec: dict | None = None
+
+
+class _BackendObserver(TorchDispatchMode):
+    """Records which mmdeform_tma backend each direction ran, from the ops that reach the dispatcher."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: dict[str, list[str]] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace == "mmdeform_tma":
+            op = func._opname
+            direction = "forward" if op.endswith("_forward") else "backward" if op.endswith("_backward") else None
+            if direction:
+                names = [a.name for a in func._schema.arguments]
+                if "backend" in names:
+                    index = names.index("backend")
+                    backend = kwargs["backend"] if "backend" in kwargs else args[index]
+                else:  # per-backend ops: mmcv_forward, reference_backward, ...
+                    backend = op.rpartition("_")[0].replace("reference", "pytorch")
+                self.seen.setdefault(direction, []).append(backend)
+        return func(*args, **kwargs)
+
+
+def observed_backends(call: Callable[[], object]) -> dict[str, str]:
+    """Run `call` once and name the backend each direction used ('unknown' where no mmdeform_tma
+    op was seen): what 'auto' picked, whatever the dispatch logic behind it."""
+    observer = _BackendObserver()
+    with observer:
+        call()
+    return {
+        direction: "+".join(dict.fromkeys(observer.seen[direction])) if direction in observer.seen else "unknown"
+        for direction in ("forward", "backward")
+    }
 
 
 def time_calls(

@@ -6,10 +6,18 @@
 
 For each backend ('stock' is mmcv's own, unpatched MultiScaleDeformableAttention.forward) and
 precision (fp32, amp-fp16, amp-bf16) it reports the training iteration time (forward, backward and
-optimizer step, synchronised), inference ms/batch and images/s, peak memory, the MSDA kernels'
-share of GPU time (torch.profiler), and the loss over N steps from the same seed and batches,
-compared with mmcv's. Inputs are synthetic batches (random boxes on random images) pushed through
-the model's own data preprocessor. Writes JSON, Markdown and a PNG chart.
+optimizer step, synchronised), inference ms/batch and images/s, peak memory, and the loss over N
+steps from the same seed and batches, compared with mmcv's. Inputs are synthetic batches (random
+boxes on random images) pushed through the model's own data preprocessor. Writes JSON, Markdown
+and a PNG chart.
+
+What bounds a training iteration, from a torch.profiler trace of a few iterations (CPU and CUDA
+activity; each iteration in a record_function range): the GPU kernel time (sum of kernel
+durations), kernel launches (cudaLaunch*/cuLaunch* calls), host synchronisations
+(cudaStreamSynchronize, cudaDeviceSynchronize, cudaEventSynchronize, synchronous cudaMemcpy),
+scalar reads (aten::_local_scalar_dense: .item(), bool(tensor), ...) and the MSDA kernels' share of
+the kernel time, all per iteration. Against the un-profiled wall time: 'GPU/wall' below
+BOUND_THRESHOLD means the GPU idles while the host works, i.e. the run is host-bound.
 """
 
 from __future__ import annotations
@@ -18,7 +26,7 @@ import argparse
 import copy
 import re
 import sys
-import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -31,6 +39,12 @@ import mmdeform_tma  # noqa: E402
 
 PRECISIONS = {"fp32": None, "amp-fp16": "float16", "amp-bf16": "bfloat16"}
 MSDA_KERNELS = re.compile(r"mmdeform_tma|portable::|tma_kernel|tma_ws_kernel|fixed_point|ms_deformable|grid_sampler")
+STEP_RANGE = "benchmark_e2e::train_step"
+LAUNCH_PREFIXES = ("cudaLaunch", "cuLaunch", "cudaGraphLaunch")
+HOST_SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+SCALAR_READ = "aten::_local_scalar_dense"  # what .item(), bool(tensor) and friends run
+COPY_OR_FILL = ("Memcpy", "Memset")  # device activities that are not kernels
+BOUND_THRESHOLD = 0.8  # GPU kernel time below this share of the wall time: host-bound
 DEFAULT_CONFIG = {
     "cuda": "configs/synthetic/deformable-detr_r50_synthetic_tma-ws.py",
     "cpu": "configs/synthetic/deformable-detr_tiny_synthetic_cpu.py",
@@ -91,41 +105,70 @@ def make_optim_wrapper(model, cfg, precision: str):
     return build_optim_wrapper(model, optim_cfg)
 
 
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def time_loop(step, iters: int, device: torch.device) -> list[float]:
-    samples = []
-    for _ in range(iters):
-        synchronize(device)
-        t0 = time.perf_counter()
-        step()
-        synchronize(device)
-        samples.append((time.perf_counter() - t0) * 1e3)
-    return samples
+    """Milliseconds per synchronised step."""
+    return [us / 1e3 for us in bench_common.host_wall_per_call(step, device, calls=1, repeats=iters, warmup=0)]
 
 
-def msda_share(step, iters: int, device: torch.device) -> float | None:
-    """Share of GPU kernel time spent in MSDA kernels over `iters` steps."""
-    if device.type != "cuda":
-        return None
-    from torch.profiler import ProfilerActivity, profile
+@dataclass(frozen=True)
+class TraceEvent:
+    """The part of a profiler event the breakdown needs (tests build these by hand)."""
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    name: str
+    on_device: bool  # a GPU activity (kernel, copy, fill); else a host event (op, runtime call, range)
+    start_us: float
+    duration_us: float
+
+
+def iteration_breakdown(events: list[TraceEvent]) -> dict:
+    """Per-iteration GPU kernel time, kernels, launches, host synchronisations, scalar reads and
+    MSDA share, from a trace whose iterations are each inside a STEP_RANGE range. Host events
+    outside those ranges (the profiler's own synchronisation at the end) are not counted."""
+    steps = [(e.start_us, e.start_us + e.duration_us) for e in events if e.name == STEP_RANGE and not e.on_device]
+    if not steps:
+        raise ValueError(f"no {STEP_RANGE!r} ranges in the trace")
+    host = Counter(
+        e.name for e in events if not e.on_device and any(start <= e.start_us <= end for start, end in steps)
+    )
+    kernels = [e for e in events if e.on_device and not e.name.startswith(COPY_OR_FILL)]
+    kernel_us = sum(k.duration_us for k in kernels)
+    msda_us = sum(k.duration_us for k in kernels if MSDA_KERNELS.search(k.name))
+    n = len(steps)
+    syncs = {name: host[name] / n for name in HOST_SYNC_CALLS}
+    return {
+        "gpu_kernel_ms": kernel_us / 1e3 / n,
+        "gpu_kernels": len(kernels) / n,
+        "kernel_launches": sum(count for name, count in host.items() if name.startswith(LAUNCH_PREFIXES)) / n,
+        "host_syncs": sum(syncs.values()),
+        "sync_calls": syncs,
+        "scalar_reads": host[SCALAR_READ] / n,
+        "msda_share_pct": 100.0 * msda_us / kernel_us if kernel_us else None,
+    }
+
+
+def trace_events(prof) -> list[TraceEvent]:
+    from torch.autograd import DeviceType
+
+    return [
+        TraceEvent(e.name, e.device_type != DeviceType.CPU, e.time_range.start, e.time_range.elapsed_us())
+        for e in prof.events()
+    ]
+
+
+def profile_iterations(step, iters: int, device: torch.device) -> dict:
+    """iteration_breakdown of `iters` profiled steps; on the CPU only the host counts mean anything."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
         for _ in range(iters):
-            step()
-        synchronize(device)
-    total = msda = 0.0
-    for event in prof.key_averages():
-        t = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0.0)
-        if event.device_type.name != "CUDA" and not t:
-            continue
-        total += t
-        if MSDA_KERNELS.search(event.key):
-            msda += t
-    return 100.0 * msda / total if total else None
+            with record_function(STEP_RANGE):
+                step()
+        bench_common.synchronize(device)
+    breakdown = iteration_breakdown(trace_events(prof))
+    if device.type != "cuda":  # no device: no kernels, launches or synchronisations to count
+        breakdown.update(gpu_kernel_ms=None, gpu_kernels=None, kernel_launches=None, host_syncs=None, sync_calls={})
+    return breakdown
 
 
 @dataclass
@@ -137,6 +180,15 @@ class Result:
     images_per_s: float | None = None
     peak_memory_mb: float | None = None
     msda_share_pct: float | None = None
+    # per training iteration, from the profiled iterations (see iteration_breakdown)
+    gpu_kernel_ms: float | None = None
+    gpu_kernels: float | None = None
+    kernel_launches: float | None = None
+    host_syncs: float | None = None
+    sync_calls: dict = field(default_factory=dict)
+    scalar_reads: float | None = None
+    gpu_over_wall_pct: float | None = None
+    bound: str | None = None  # 'host' or 'GPU'
     losses: list = field(default_factory=list)
     max_loss_rel_diff_vs_mmcv: float | None = None
     error: str | None = None
@@ -165,7 +217,12 @@ def run_one(args, backend: str, precision: str, device: torch.device) -> Result:
     result.train_ms = bench_common.summarize(time_loop(train_step, args.iters, device))
     if device.type == "cuda":
         result.peak_memory_mb = torch.cuda.max_memory_allocated(device) / 2**20
-    result.msda_share_pct = msda_share(train_step, min(5, args.iters), device)
+    breakdown = profile_iterations(train_step, min(5, args.iters), device)
+    for key, value in breakdown.items():
+        setattr(result, key, value)
+    if result.gpu_kernel_ms is not None:
+        result.gpu_over_wall_pct = 100.0 * result.gpu_kernel_ms / result.train_ms["median_ms"]
+        result.bound = "GPU" if result.gpu_over_wall_pct >= 100 * BOUND_THRESHOLD else "host"
 
     model.eval()
     amp_dtype = getattr(torch, PRECISIONS[precision] or "float32")
@@ -235,19 +292,27 @@ def main(argv=None) -> int:
     return 0
 
 
+def fmt(x, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
 def table(results: list[Result]) -> tuple[list[str], list[list[object]]]:
-    header = ["backend", "precision", "train ms/iter", "p90", "infer ms/batch", "images/s", "peak MB", "MSDA %", "loss diff vs mmcv"]
+    header = [
+        "backend", "precision", "train ms/iter", "p90", "GPU kernel ms/iter", "GPU/wall %", "bound", "launches/iter",
+        "syncs/iter", "scalar reads/iter", "infer ms/batch", "images/s", "peak MB", "MSDA %", "loss diff vs mmcv",
+    ]
     rows = []
     for r in results:
         if r.error:
-            rows.append([r.backend, r.precision, r.error[:70], "", "", "", "", "", ""])
+            rows.append([r.backend, r.precision, r.error[:70], *[""] * (len(header) - 3)])
             continue
         rows.append(
             [
-                r.backend, r.precision, f"{r.train_ms['median_ms']:.1f}", f"{r.train_ms['p90_ms']:.1f}", f"{r.infer_ms['median_ms']:.1f}",
-                f"{r.images_per_s:.1f}", "-" if r.peak_memory_mb is None else f"{r.peak_memory_mb:.0f}",
-                "-" if r.msda_share_pct is None else f"{r.msda_share_pct:.0f}",
-                "-" if r.max_loss_rel_diff_vs_mmcv is None else f"{r.max_loss_rel_diff_vs_mmcv:.1e}",
+                r.backend, r.precision, fmt(r.train_ms["median_ms"], ".1f"), fmt(r.train_ms["p90_ms"], ".1f"),
+                fmt(r.gpu_kernel_ms, ".1f"), fmt(r.gpu_over_wall_pct, ".0f"), r.bound or "-", fmt(r.kernel_launches, ".0f"),
+                fmt(r.host_syncs, ".0f"), fmt(r.scalar_reads, ".0f"), fmt(r.infer_ms["median_ms"], ".1f"),
+                fmt(r.images_per_s, ".1f"), fmt(r.peak_memory_mb, ".0f"), fmt(r.msda_share_pct, ".0f"),
+                fmt(r.max_loss_rel_diff_vs_mmcv, ".1e"),
             ]
         )
     return header, rows
@@ -271,6 +336,13 @@ def write_outputs(prefix: Path, env: dict, results: list[Result]) -> None:
                 "'stock' is mmcv's own MultiScaleDeformableAttention; 'loss diff' is the largest relative difference of the "
                 "training loss over the first steps (same seed and batches) against it.",
                 "",
+                "Per training iteration, from a profiler trace of a few iterations: 'GPU kernel ms' is the sum of "
+                "kernel durations, 'launches' the cudaLaunch*/cuLaunch* calls, 'syncs' the host waits "
+                "(cudaStreamSynchronize, cudaDeviceSynchronize, cudaEventSynchronize, synchronous cudaMemcpy), "
+                "'scalar reads' the aten::_local_scalar_dense calls (.item() and friends). 'GPU/wall' is the kernel "
+                f"time over the un-profiled median iteration; below {BOUND_THRESHOLD:.0%} the iteration is host-bound: "
+                "the GPU waits for the host.",
+                "",
                 bench_common.markdown_table(header, rows),
             ]
         )
@@ -290,8 +362,14 @@ def plot(path: Path, env: dict, results: list[Result]) -> None:
         return
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
     labels = [f"{r.backend}\n{r.precision}" for r in good]
-    axes[0].bar(labels, [r.train_ms["median_ms"] for r in good], color="tab:blue")
+    positions = range(len(good))
+    wall, gpu = [r.train_ms["median_ms"] for r in good], [r.gpu_kernel_ms or 0.0 for r in good]
+    axes[0].bar([x - 0.2 for x in positions], wall, 0.4, color="tab:blue", label="wall")
+    axes[0].bar([x + 0.2 for x in positions], gpu, 0.4, color="tab:green", label="GPU kernels")
+    axes[0].set_xticks(list(positions))
+    axes[0].set_xticklabels(labels)
     axes[0].set_ylabel("train ms / iteration")
+    axes[0].legend(fontsize=7, title="a gap = host-bound", title_fontsize=7)
     axes[1].bar(labels, [r.infer_ms["median_ms"] for r in good], color="tab:orange")
     axes[1].set_ylabel("inference ms / batch")
     for ax in axes:

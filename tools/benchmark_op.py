@@ -5,12 +5,22 @@
     python tools/benchmark_op.py --batch 2 --spatial-size 100x152 --num-query 300 --num-levels 1
     python tools/benchmark_op.py --device cpu                    # reference backend, tiny preset
     python tools/benchmark_op.py --presets detr_enc_bs2 --directions backward --deterministic   # + fixed-point path
+    python tools/benchmark_op.py --presets detr_enc_bs2 detr_dec_bs2 --compare dcnv4    # + DCNv4 in every row
+    python tools/benchmark_op.py --host-overhead                 # eager host cost per call, beside mmcv's
 
 Times with CUDA events over CUDA-graph replays (eager when a backend cannot be captured), after
 warm-up, rotating several input sets so that the 50 MB L2 cannot hold them all. Reports median,
 p90 and p99, the relative L2 error against a float64 reference (on a query subset), achieved GB/s
 against the compulsory DRAM traffic and its floor at the measured copy bandwidth, and the speed-up
 over mmcv's kernel measured in the same run. Writes JSON, Markdown and a PNG chart.
+
+`--compare dcnv4` adds DCNv4's FlashDeformAttn (tools/dcnv4_compare.py) to every row of the same
+run, timed and checked the same way; its failures (exceptions, wrong results) are recorded per row.
+
+`--host-overhead` measures instead what a user's eager call costs on the host: wall time per call
+of the public API on tiny inputs, forward and forward+backward, for every requested backend and
+'auto', beside mmcv's own `MultiScaleDeformableAttnFunction.apply` called as mmcv's module calls it
+(on the CPU, where mmcv's function has no kernel, also the module's CPU path).
 """
 
 from __future__ import annotations
@@ -27,6 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_common  # noqa: E402
+import dcnv4_compare  # noqa: E402
 
 import mmdeform_tma  # noqa: E402
 from mmdeform_tma.reference import ms_deform_attn_reference, ms_deform_attn_reference_backward  # noqa: E402
@@ -80,6 +91,15 @@ PRESETS = {
     ]
 }
 DEFAULT_GPU_PRESETS = [name for name in PRESETS if name != "tiny"]
+COMPARISONS = ("dcnv4",)  # foreign kernels that --compare adds beside the backends
+GRADIENT_NAMES = ("grad_value", "grad_locations", "grad_weights")
+# A decoder-sized call on tiny levels: its time is the host's, not the kernel's.
+HOST_OVERHEAD_SHAPE = Shape("host_tiny", ((8, 8), (4, 4), (2, 2), (1, 1)), 1, 16)
+HOST_DIRECTIONS = ("forward", "forward+backward")
+OUR_API = "mmdeform_tma.multi_scale_deformable_attn"
+MMCV_FUNCTION = "mmcv.MultiScaleDeformableAttnFunction.apply"
+MMCV_CPU_PATH = "mmcv.multi_scale_deformable_attn_pytorch"
+MMCV_IM2COL_STEP = 64  # mmcv's MultiScaleDeformableAttention default
 
 
 def make_inputs(shape: Shape, dtype: torch.dtype, locality: str, device: torch.device, seed: int):
@@ -109,6 +129,20 @@ def make_inputs(shape: Shape, dtype: torch.dtype, locality: str, device: torch.d
     return value, shapes_t, starts, loc.float().contiguous(), attn.contiguous()
 
 
+def rotation_count(set_bytes: int) -> int:
+    """Enough input sets (2-8) that, used in turn, about three times the 50 MB L2 is touched."""
+    return max(2, min(8, math.ceil(3 * 50e6 / set_bytes)))
+
+
+def rotated_input_sets(shape: Shape, dtype: torch.dtype, locality: str, device: torch.device) -> list:
+    """Input sets from seeds 0, 1, ...: one on the CPU, rotation_count of them on a GPU."""
+    probe = make_inputs(shape, dtype, locality, device, 0)
+    if device.type != "cuda":
+        return [probe]
+    rotations = rotation_count(sum(t.numel() * t.element_size() for t in probe))
+    return [probe] + [make_inputs(shape, dtype, locality, device, seed) for seed in range(1, rotations)]
+
+
 def compulsory_bytes(shape: Shape, dtype: torch.dtype, direction: str) -> int:
     es = torch.tensor([], dtype=dtype).element_size()
     value = shape.batch * shape.num_keys * shape.heads * shape.channels * es
@@ -125,59 +159,110 @@ def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a - b).norm().item() / denom if denom else (a - b).norm().item()
 
 
-def accuracy(backend: str, inputs, query_subset: int) -> dict:
-    """Errors against float64 on the first `query_subset` queries."""
+def logits_gradient(grad_weights: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Gradient with respect to the logits whose softmax over levels x points gives `weights`."""
+    w, g = weights.flatten(-2), grad_weights.flatten(-2)
+    return (w * (g - (w * g).sum(-1, keepdim=True))).view_as(weights)
+
+
+def named_gradients(grads: tuple) -> dict:
+    return dict(zip(GRADIENT_NAMES, grads))
+
+
+def bind(name: str, inputs) -> bench_common.BoundCall:
+    """`name` (a backend or 'auto', a --compare kernel, or one of mmcv's own functions) on one input set."""
+    value, shapes_t, starts, loc, attn = inputs
+    if name == "dcnv4":
+        return dcnv4_compare.bind(dcnv4_compare.load(), inputs)
+    if name == MMCV_FUNCTION:
+        from mmcv.ops.multi_scale_deform_attn import MultiScaleDeformableAttnFunction
+
+        def run(v, locations, weights):
+            return MultiScaleDeformableAttnFunction.apply(v, shapes_t, starts, locations, weights, MMCV_IM2COL_STEP)
+
+        return bench_common.BoundCall((value, loc, attn), run, named_gradients, failures_are_results=True)
+    if name == MMCV_CPU_PATH:
+        from mmcv.ops.multi_scale_deform_attn import multi_scale_deformable_attn_pytorch
+
+        # its grid_sample needs one dtype; in a model, the linear layers give locations and weights value's
+        def run(v, locations, weights):
+            return multi_scale_deformable_attn_pytorch(v, shapes_t, locations, weights)
+
+        leaves = (value, loc.to(value.dtype), attn.to(value.dtype))
+        return bench_common.BoundCall(leaves, run, named_gradients, failures_are_results=True)
+
+    def run(v, locations, weights):
+        return mmdeform_tma.multi_scale_deformable_attn(v, shapes_t, starts, locations, weights, backend=name)
+
+    return bench_common.BoundCall((value, loc, attn), run, named_gradients)
+
+
+def output_gradient(inputs, generator: torch.Generator) -> torch.Tensor:
+    value, _, _, loc, _ = inputs
+    bs, _, heads, channels = value.shape
+    return torch.randn(bs, loc.shape[1], heads * channels, device=value.device, dtype=value.dtype, generator=generator)
+
+
+def accuracy(name: str, inputs, query_subset: int) -> dict:
+    """Errors against float64 on the first `query_subset` queries. A compared kernel's failing
+    backward is recorded as `backward_error` beside its forward errors."""
     value, shapes_t, starts, loc, attn = inputs
     loc, attn = loc[:, :query_subset].contiguous(), attn[:, :query_subset].contiguous()
-    v = value.detach().clone().requires_grad_()
-    l = loc.clone().requires_grad_()
-    a = attn.clone().requires_grad_()
-    out = mmdeform_tma.multi_scale_deformable_attn(v, shapes_t, starts, l, a, backend=backend)
+    bound = bind(name, (value, shapes_t, starts, loc, attn))
+    leaves = tuple(t.detach().clone().requires_grad_() for t in bound.leaves)
+    out = bound.run(*leaves)
     grad_out = torch.randn(out.shape, device=out.device, dtype=out.dtype, generator=torch.Generator(out.device).manual_seed(7))
-    grads = torch.autograd.grad(out, (v, l, a), grad_out)
     exact = ms_deform_attn_reference(value.double(), shapes_t, loc.double(), attn.double())
     exact_grads = ms_deform_attn_reference_backward(grad_out.double(), value.double(), shapes_t, loc.double(), attn.double())
     result = {
         "rel_err_output": rel_l2(out, exact),
         "rounding_err_output": rel_l2(exact.to(value.dtype), exact),
+        "rounding_err_grad_value": rel_l2(exact_grads[0].to(value.dtype), exact_grads[0]),
     }
-    for name, got, want in zip(("grad_value", "grad_locations", "grad_weights"), grads, exact_grads):
-        result[f"rel_err_{name}"] = rel_l2(got, want)
-    result["rounding_err_grad_value"] = rel_l2(exact_grads[0].to(value.dtype), exact_grads[0])
+    if bound.launch_spec:
+        result["launch_spec"] = bound.launch_spec  # the subset's: a kernel may launch differently on fewer queries
+    try:
+        grads = bound.gradients(torch.autograd.grad(out, leaves, grad_out))
+    except Exception as exc:
+        if not bound.failures_are_results:
+            raise
+        result["backward_error"] = failure(exc)
+        return result
+    wanted = dict(zip(GRADIENT_NAMES, exact_grads))
+    wanted["grad_logits"] = logits_gradient(exact_grads[2], attn.double())
+    for grad_name, got in grads.items():
+        result[f"rel_err_{grad_name}"] = rel_l2(got, wanted[grad_name])
     return result
 
 
-def timed_calls(backend: str, direction: str, input_sets: list) -> list:
+def failure(exc: BaseException) -> str:
+    lines = [line for line in str(exc).splitlines() if line.strip()]
+    return f"{type(exc).__name__}: {lines[0][:200] if lines else ''}"
+
+
+def direction_call(bound: bench_common.BoundCall, direction: str, grad_out: torch.Tensor | None):
+    """One call of `bound` in `direction`; 'backward' reuses a graph recorded once, here."""
+    if direction == "forward":
+
+        def call():
+            with torch.no_grad():
+                return bound.run(*bound.leaves)
+
+        return call
+    leaves = tuple(t.detach().requires_grad_() for t in bound.leaves)
+    if direction == "backward":
+        out = bound.run(*leaves)
+        return lambda: torch.autograd.grad(out, leaves, grad_out, retain_graph=True)
+    return lambda: torch.autograd.grad(bound.run(*leaves), leaves, grad_out)
+
+
+def timed_calls(name: str, direction: str, input_sets: list) -> list:
     # gradients come from a private generator: the default one is registered with captured graphs
     g = torch.Generator(device=input_sets[0][0].device).manual_seed(99)
     calls = []
-    for value, shapes_t, starts, loc, attn in input_sets:
-        if direction == "forward":
-
-            def call(value=value, shapes_t=shapes_t, starts=starts, loc=loc, attn=attn):
-                with torch.no_grad():
-                    return mmdeform_tma.multi_scale_deformable_attn(value, shapes_t, starts, loc, attn, backend=backend)
-
-        else:
-            leaves = (value.detach().requires_grad_(), loc.detach().requires_grad_(), attn.detach().requires_grad_())
-            if direction == "backward":
-                out = mmdeform_tma.multi_scale_deformable_attn(leaves[0], shapes_t, starts, leaves[1], leaves[2], backend=backend)
-                grad_out = torch.randn(out.shape, device=out.device, dtype=out.dtype, generator=g)
-
-                def call(out=out, leaves=leaves, grad_out=grad_out):
-                    return torch.autograd.grad(out, leaves, grad_out, retain_graph=True)
-
-            else:
-                grad_out = torch.randn(
-                    value.shape[0], loc.shape[1], value.shape[2] * value.shape[3], device=value.device, dtype=value.dtype,
-                    generator=g,
-                )
-
-                def call(leaves=leaves, shapes_t=shapes_t, starts=starts, grad_out=grad_out):
-                    out = mmdeform_tma.multi_scale_deformable_attn(leaves[0], shapes_t, starts, leaves[1], leaves[2], backend=backend)
-                    return torch.autograd.grad(out, leaves, grad_out)
-
-        calls.append(call)
+    for inputs in input_sets:
+        grad_out = None if direction == "forward" else output_gradient(inputs, g)
+        calls.append(direction_call(bind(name, inputs), direction, grad_out))
     return calls
 
 
@@ -221,6 +306,22 @@ class Row:
     speedup_vs_mmcv: float | None = None
     peak_extra_mb: float | None = None  # memory a call allocates beyond its inputs (outputs, grads, workspace)
     error: str | None = None
+    launch_spec: dict | None = None  # a compared kernel's own launch parameters for this problem
+
+
+@dataclass
+class HostRow:
+    """Eager host cost of one API on HOST_OVERHEAD_SHAPE, in microseconds per call."""
+
+    api: str
+    backend: str
+    dtype: str
+    direction: str
+    timing: dict = field(default_factory=dict)
+    calls_per_sample: int = 0
+    ran: str | None = None  # the backend whose ops were seen running (what 'auto' picked)
+    ratio_to_mmcv: float | None = None  # median over that of what mmcv's module calls here, same dtype and direction
+    error: str | None = None
 
 
 def explicit_shape(args) -> Shape | None:
@@ -258,9 +359,27 @@ def parse_args(argv=None):
         help="also time each compiled backend's deterministic backward, as BACKEND+det",
     )
     p.add_argument("--no-graphs", action="store_true", help="time eager calls instead of CUDA-graph replays")
-    p.add_argument("--out", type=Path, default=Path("bench_results/op"), help="output prefix (.json .md .png)")
+    p.add_argument(
+        "--compare", nargs="*", choices=COMPARISONS, default=[],
+        help="foreign kernels to measure beside the backends in every row (dcnv4: DCNv4's FlashDeformAttn)",
+    )
+    p.add_argument(
+        "--host-overhead", action="store_true",
+        help="measure eager wall time per call of the public API on tiny inputs instead (beside mmcv's function)",
+    )
+    p.add_argument("--host-calls", type=int, default=100, help="--host-overhead: back-to-back calls per sample")
+    p.add_argument("--host-repeats", type=int, default=21, help="--host-overhead: samples per row")
+    p.add_argument("--out", type=Path, default=None, help="output prefix (default bench_results/op, or op_host)")
     p.add_argument("--render", type=Path, help="only rewrite the Markdown and PNG of a saved JSON (to --out)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.out = args.out or Path("bench_results/op_host" if args.host_overhead else "bench_results/op")
+    return args
+
+
+def load_comparisons(names: list[str], env: dict) -> None:
+    """Import each compared kernel now, so that a missing one stops the run before any measurement."""
+    for name in names:
+        env[name] = dcnv4_compare.load().version
 
 
 def main(argv=None) -> int:
@@ -272,6 +391,8 @@ def main(argv=None) -> int:
         print(format_console(rows))
         return 0
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if args.host_overhead:
+        return host_overhead(args, device)
     on_gpu = device.type == "cuda"
     shapes = [explicit_shape(args)] if explicit_shape(args) else [PRESETS[n] for n in (args.presets or (DEFAULT_GPU_PRESETS if on_gpu else ["tiny"]))]
     dtypes = [DTYPES[d] for d in (args.dtypes or (list(DTYPES) if on_gpu else ["float32"]))]
@@ -282,12 +403,14 @@ def main(argv=None) -> int:
         print("no GPU: running the reference backend on the CPU (timings are CPU wall clock)", file=sys.stderr)
 
     env = bench_common.environment(device)
+    load_comparisons(args.compare, env)
     if on_gpu:
         bench_common.warm_up_gpu(device)
     bandwidth = bench_common.measure_copy_bandwidth(device) if on_gpu else None
     env["copy_bandwidth_GBps"] = bandwidth / 1e9 if bandwidth else None
     if args.deterministic:
         backends = [*backends, *(f"{b}+det" for b in backends if b in COMPILED_BACKENDS)]
+    backends = [*backends, *args.compare]
     jobs = [
         (s, d, loc, b, direction)
         for s in shapes for d in dtypes for loc in args.locality for b in backends for direction in args.directions
@@ -300,16 +423,15 @@ def main(argv=None) -> int:
         if key not in cache:
             cache.clear()
             torch.cuda.empty_cache() if on_gpu else None
-            probe = make_inputs(shape, dtype, locality, device, 0)
-            set_bytes = sum(t.numel() * t.element_size() for t in probe)
-            rotations = 1 if not on_gpu else max(2, min(8, math.ceil(3 * 50e6 / set_bytes)))
-            cache[key] = [probe] + [make_inputs(shape, dtype, locality, device, seed) for seed in range(1, rotations)]
+            cache[key] = rotated_input_sets(shape, dtype, locality, device)
         input_sets = cache[key]
         row = Row(shape.name, shape.describe(), str(dtype).removeprefix("torch."), locality, backend, direction)
         name, _, mode = backend.partition("+")
         try:
             if direction == "forward":
                 row.accuracy = accuracy(name, input_sets[0], args.accuracy_queries)
+            if name in COMPARISONS:
+                row.launch_spec = bind(name, input_sets[0]).launch_spec
             # the reference reads level shapes on the host: it cannot be captured in a CUDA graph
             graphs = not args.no_graphs and name != "pytorch"
             with deterministic_algorithms(mode == "det"):
@@ -326,6 +448,10 @@ def main(argv=None) -> int:
                 row.pct_of_floor = 100 * row.floor_ms / row.timing["median_ms"]
         except mmdeform_tma.BackendUnavailableError as exc:
             row.error = "unavailable: " + str(exc).splitlines()[-1].strip(" -")
+        except Exception as exc:
+            if name not in COMPARISONS:
+                raise
+            row.error = failure(exc)  # a compared kernel's failure is a result of the comparison
         rows.append(row)
 
     for row in rows:
@@ -340,6 +466,97 @@ def main(argv=None) -> int:
     print(format_console(rows))
     print(f"\nwrote {args.out}.json, {args.out}.md, {args.out}.png  (device: {env['device']}, commit {env['commit']})")
     return 0
+
+
+def host_overhead(args, device: torch.device) -> int:
+    """Eager wall time per call on HOST_OVERHEAD_SHAPE for each API, dtype and direction."""
+    dtypes = args.dtypes or ["float32", "float16"]
+    directions = [d for d in args.directions if d in HOST_DIRECTIONS]
+    if not directions:
+        raise SystemExit(f"--host-overhead measures {' and '.join(HOST_DIRECTIONS)}; --directions named neither")
+    backends = args.backends or list(mmdeform_tma.BACKEND_CHOICES)  # unavailable ones are recorded with the reason
+    apis = [(OUR_API, b) for b in backends] + [(name, "-") for name in args.compare] + [(MMCV_FUNCTION, "-")]
+    if device.type == "cpu":
+        apis.append((MMCV_CPU_PATH, "-"))  # what mmcv's module runs off the GPU
+    warmup = args.warmup if args.warmup is not None else 20
+    env = bench_common.environment(device)
+    load_comparisons(args.compare, env)
+    env.update(shape=HOST_OVERHEAD_SHAPE.describe(), method=(
+        f"median / p90 over {args.host_repeats} samples of {args.host_calls} back-to-back eager calls each, "
+        f"after {warmup} warm-up calls; time.perf_counter between device synchronisations; inputs that need "
+        "gradients in both directions, as in training"
+    ))
+    jobs = [(api, backend, dtype, direction) for api, backend in apis for dtype in dtypes for direction in directions]
+    rows = [
+        host_row(HostRow(api, backend, dtype, direction), device, args.host_calls, args.host_repeats, warmup)
+        for api, backend, dtype, direction in bench_common.progress(jobs, len(jobs), "host overhead")
+    ]
+    baseline = MMCV_FUNCTION if device.type == "cuda" else MMCV_CPU_PATH  # what mmcv's module calls on this device
+    env["baseline"] = baseline
+    for row in rows:
+        same = (baseline, row.dtype, row.direction)
+        base = next((r for r in rows if (r.api, r.dtype, r.direction) == same and not r.error), None)
+        if base and not row.error:
+            row.ratio_to_mmcv = row.timing["median_us"] / base.timing["median_us"]
+    write_host_outputs(args.out, env, rows)
+    print(bench_common.console_table(*host_table_rows(rows)))
+    print(f"\nwrote {args.out}.json, {args.out}.md  (device: {env['device']}, commit {env['commit']})")
+    return 0
+
+
+def host_row(row: HostRow, device: torch.device, calls: int, repeats: int, warmup: int) -> HostRow:
+    name = row.backend if row.api == OUR_API else row.api
+    try:
+        inputs = make_inputs(HOST_OVERHEAD_SHAPE, DTYPES[row.dtype], "local", device, 0)
+        bound = bind(name, inputs)
+        leaves = tuple(t.detach().requires_grad_() for t in bound.leaves)
+        if row.direction == "forward":
+            call = lambda: bound.run(*leaves)  # noqa: E731
+        else:
+            grad_out = output_gradient(inputs, torch.Generator(device).manual_seed(3))
+            call = lambda: torch.autograd.grad(bound.run(*leaves), leaves, grad_out)  # noqa: E731
+        if row.api == OUR_API:
+            ran = bench_common.observed_backends(call)
+            row.ran = ran["forward"] if row.direction == "forward" else f"{ran['forward']} / {ran['backward']}"
+        samples = bench_common.host_wall_per_call(call, device, calls, repeats, warmup)
+        row.timing = bench_common.summarize(samples, unit="us")
+        row.calls_per_sample = calls
+    except mmdeform_tma.BackendUnavailableError as exc:
+        row.error = "unavailable: " + str(exc).splitlines()[-1].strip(" -")
+    except Exception as exc:
+        if row.api == OUR_API:
+            raise
+        row.error = failure(exc)  # e.g. mmcv's function has no CPU kernel, or mmcv is not installed
+    return row
+
+
+def host_table_rows(rows: list[HostRow]) -> tuple[list[str], list[list[object]]]:
+    header = ["api", "backend", "dtype", "direction", "median us/call", "p90 us/call", "/ mmcv", "ran"]
+    body = []
+    for r in rows:
+        if r.error:
+            body.append([r.api, r.backend, r.dtype, r.direction, r.error[:90], "", "", ""])
+        else:
+            times = [fmt(r.timing["median_us"], ".1f"), fmt(r.timing["p90_us"], ".1f"), fmt(r.ratio_to_mmcv, ".2f")]
+            body.append([r.api, r.backend, r.dtype, r.direction, *times, r.ran or "-"])
+    return header, body
+
+
+def write_host_outputs(prefix: Path, env: dict, rows: list[HostRow]) -> None:
+    bench_common.write_json(prefix.with_suffix(".json"), {"environment": env, "results": [asdict(r) for r in rows]})
+    md = [
+        f"# Host cost per MSDA call ({env['device']})",
+        "",
+        f"date {env['date']}, commit {env['commit']}, torch {env['torch']} (CUDA {env['torch_cuda']}), "
+        f"mmcv {env.get('mmcv')}; inputs {env['shape']}.",
+        "",
+        f"Eager wall time per call: {env['method']}. '/ mmcv' is the median over that of `{env['baseline']}`, what "
+        "mmcv's MultiScaleDeformableAttention calls on this device, called as it calls it, in the same dtype and "
+        "direction; 'ran' names the backend whose ops ran (forward / backward).",
+        "",
+        bench_common.markdown_table(*host_table_rows(rows)),
+    ]
+    prefix.with_suffix(".md").write_text("\n".join(md) + "\n")
 
 
 def fmt(x, spec=".3f"):
@@ -382,10 +599,15 @@ def write_outputs(prefix: Path, env: dict, rows: list[Row]) -> None:
         "Median / p90 / p99 from CUDA events; 'x mmcv' is mmcv's median over this one, measured in the same run; "
         "'% floor' is the compulsory-DRAM time at the measured copy bandwidth over the median; 'rel err' is the "
         "forward's relative L2 error against float64, 'err/rounding' that error over the error of rounding the exact "
-        "result to the dtype.",
+        "result to the dtype. Compared kernels (--compare) take their own input convention, converted outside the "
+        "timed calls (tools/dcnv4_compare.py); their failures appear in their rows.",
         "",
         bench_common.markdown_table(header, body),
     ]
+    launches = sorted({(r.backend, r.preset, json.dumps(r.launch_spec)) for r in rows if r.launch_spec})
+    if launches:
+        md += ["", "Launch parameters the compared kernels chose for themselves (timed problem):", ""]
+        md += [f"- {backend}, {preset}: `{spec}`" for backend, preset, spec in launches]
     prefix.with_suffix(".md").write_text("\n".join(md) + "\n")
     plot(prefix.with_suffix(".png"), env, rows)
 

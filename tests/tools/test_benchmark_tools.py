@@ -57,7 +57,57 @@ def test_benchmark_e2e_cpu_smoke(tmp_path):
     for r in results:
         assert r["error"] is None and r["train_ms"]["median_ms"] > 0 and len(r["losses"]) == 2
         assert r["max_loss_rel_diff_vs_mmcv"] < 1e-6  # the reference is mmcv's own CPU path
-    assert (tmp_path / "e2e.png").exists() and "| backend |" in (tmp_path / "e2e.md").read_text()
+        assert r["scalar_reads"] > 0  # mmdet's losses and assigner read scalars every iteration
+        assert r["gpu_kernel_ms"] is None and r["host_syncs"] is None and r["bound"] is None  # no device on the CPU
+    markdown = (tmp_path / "e2e.md").read_text()
+    assert (tmp_path / "e2e.png").exists() and "| backend |" in markdown and "GPU/wall %" in markdown
+
+
+def trace(name, start, duration, on_device=False):
+    import benchmark_e2e
+
+    return benchmark_e2e.TraceEvent(name, on_device, start, duration)
+
+
+def test_iteration_breakdown_counts_per_step_inside_the_step_ranges():
+    import benchmark_e2e
+
+    step = benchmark_e2e.STEP_RANGE
+    events = [trace(step, 0, 100), trace(step, 200, 100)]
+    for start in (0, 200):  # per step: 3 launches, 1 stream sync, 1 async copy, 2 scalar reads (each under an item)
+        events += [trace("cudaLaunchKernel", start + 1, 1), trace("cudaLaunchKernelExC", start + 2, 1), trace("cuLaunchKernel", start + 3, 1)]
+        events += [trace("cudaStreamSynchronize", start + 4, 5), trace("cudaMemcpyAsync", start + 10, 1)]
+        events += [trace("aten::item", start + 20, 3), trace("aten::_local_scalar_dense", start + 21, 1)] * 2
+    events += [trace("cudaMemcpy", 250, 2)]  # a synchronous copy in the second step
+    events += [trace("cudaDeviceSynchronize", 400, 50)]  # the profiler loop's own, after the steps
+    events += [trace("void portable::msda_forward<float>(...)", 10, 30, True), trace("volta_sgemm_128x64_nn", 50, 90, True)]
+    events += [trace("at::native::elementwise_kernel", 220, 40, True), trace("Memcpy DtoH (Device -> Pageable)", 230, 500, True)]
+    got = benchmark_e2e.iteration_breakdown(events)
+    assert got["gpu_kernel_ms"] == pytest.approx((30 + 90 + 40) / 2 / 1e3)
+    assert got["gpu_kernels"] == 1.5 and got["kernel_launches"] == 3
+    assert got["sync_calls"] == {"cudaStreamSynchronize": 1, "cudaDeviceSynchronize": 0, "cudaEventSynchronize": 0, "cudaMemcpy": 0.5}
+    assert got["host_syncs"] == 1.5 and got["scalar_reads"] == 2
+    assert got["msda_share_pct"] == pytest.approx(100 * 30 / 160)
+
+
+def test_iteration_breakdown_needs_step_ranges():
+    import benchmark_e2e
+
+    with pytest.raises(ValueError, match="train_step"):
+        benchmark_e2e.iteration_breakdown([trace("cudaLaunchKernel", 0, 1)])
+
+
+def test_profile_iterations_counts_scalar_reads_of_a_real_cpu_trace():
+    import benchmark_e2e
+
+    x = torch.ones(3)
+
+    def step():
+        return (x.sum().item(), bool(x.max() > 0))
+
+    got = benchmark_e2e.profile_iterations(step, 3, torch.device("cpu"))
+    assert got["scalar_reads"] == 2
+    assert got["gpu_kernel_ms"] is None and got["kernel_launches"] is None and got["msda_share_pct"] is None
 
 
 def test_autotune_needs_a_gpu():
