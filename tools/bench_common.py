@@ -79,7 +79,10 @@ def summarize(samples: list[float], unit: str = "ms") -> dict:
         return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
     return {
-        f"median_{unit}": statistics.median(ordered), f"p90_{unit}": pct(0.9), f"p99_{unit}": pct(0.99), "samples": len(ordered)
+        f"median_{unit}": statistics.median(ordered),
+        f"p90_{unit}": pct(0.9),
+        f"p99_{unit}": pct(0.99),
+        "samples": len(ordered),
     }
 
 

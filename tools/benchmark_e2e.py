@@ -146,13 +146,17 @@ def iteration_breakdown(events: list[TraceEvent]) -> dict:
     }
 
 
-def trace_events(prof) -> list[TraceEvent]:
+def trace_events(function_events) -> list[TraceEvent]:
+    """TraceEvents of a profile's `events()`, without the GPU copies of record_function ranges
+    (gpu_user_annotation: they span kernels, they are not kernels)."""
     from torch.autograd import DeviceType
 
-    return [
-        TraceEvent(e.name, e.device_type != DeviceType.CPU, e.time_range.start, e.time_range.elapsed_us())
-        for e in prof.events()
-    ]
+    events = []
+    for e in function_events:
+        on_device = e.device_type != DeviceType.CPU
+        if not (on_device and getattr(e, "is_user_annotation", False)):
+            events.append(TraceEvent(e.name, on_device, e.time_range.start, e.time_range.elapsed_us()))
+    return events
 
 
 def profile_iterations(step, iters: int, device: torch.device) -> dict:
@@ -165,7 +169,7 @@ def profile_iterations(step, iters: int, device: torch.device) -> dict:
             with record_function(STEP_RANGE):
                 step()
         bench_common.synchronize(device)
-    breakdown = iteration_breakdown(trace_events(prof))
+    breakdown = iteration_breakdown(trace_events(prof.events()))
     if device.type != "cuda":  # no device: no kernels, launches or synchronisations to count
         breakdown.update(gpu_kernel_ms=None, gpu_kernels=None, kernel_launches=None, host_syncs=None, sync_calls={})
     return breakdown
@@ -309,8 +313,8 @@ def table(results: list[Result]) -> tuple[list[str], list[list[object]]]:
         rows.append(
             [
                 r.backend, r.precision, fmt(r.train_ms["median_ms"], ".1f"), fmt(r.train_ms["p90_ms"], ".1f"),
-                fmt(r.gpu_kernel_ms, ".1f"), fmt(r.gpu_over_wall_pct, ".0f"), r.bound or "-", fmt(r.kernel_launches, ".0f"),
-                fmt(r.host_syncs, ".0f"), fmt(r.scalar_reads, ".0f"), fmt(r.infer_ms["median_ms"], ".1f"),
+                fmt(r.gpu_kernel_ms, ".1f"), fmt(r.gpu_over_wall_pct, ".0f"), r.bound or "-",
+                fmt(r.kernel_launches, ".0f"), fmt(r.host_syncs, ".0f"), fmt(r.scalar_reads, ".0f"), fmt(r.infer_ms["median_ms"], ".1f"),
                 fmt(r.images_per_s, ".1f"), fmt(r.peak_memory_mb, ".0f"), fmt(r.msda_share_pct, ".0f"),
                 fmt(r.max_loss_rel_diff_vs_mmcv, ".1e"),
             ]

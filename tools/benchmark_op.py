@@ -377,9 +377,9 @@ def parse_args(argv=None):
 
 
 def load_comparisons(names: list[str], env: dict) -> None:
-    """Import each compared kernel now, so that a missing one stops the run before any measurement."""
-    for name in names:
-        env[name] = dcnv4_compare.load().version
+    """Import the compared kernels now, so that a missing one stops the run before any measurement."""
+    if "dcnv4" in names:
+        env["dcnv4"] = dcnv4_compare.load().version
 
 
 def main(argv=None) -> int:
@@ -418,54 +418,65 @@ def main(argv=None) -> int:
     ]
     rows: list[Row] = []
     cache = {}
-    for shape, dtype, locality, backend, direction in bench_common.progress(jobs, len(jobs), "benchmark"):
-        key = (shape.name, dtype, locality)
-        if key not in cache:
-            cache.clear()
-            torch.cuda.empty_cache() if on_gpu else None
-            cache[key] = rotated_input_sets(shape, dtype, locality, device)
-        input_sets = cache[key]
-        row = Row(shape.name, shape.describe(), str(dtype).removeprefix("torch."), locality, backend, direction)
-        name, _, mode = backend.partition("+")
-        try:
-            if direction == "forward":
-                row.accuracy = accuracy(name, input_sets[0], args.accuracy_queries)
-            if name in COMPARISONS:
-                row.launch_spec = bind(name, input_sets[0]).launch_spec
-            # the reference reads level shapes on the host: it cannot be captured in a CUDA graph
-            graphs = not args.no_graphs and name != "pytorch"
-            with deterministic_algorithms(mode == "det"):
-                samples, row.timing_mode = bench_common.time_calls(
-                    device, timed_calls(name, direction, input_sets), warmup, iters, use_graphs=graphs
-                )
-                if on_gpu:
-                    row.peak_extra_mb = peak_extra_memory(timed_calls(name, direction, input_sets[:1])[0])
-            row.timing = bench_common.summarize(samples)
-            row.bytes = compulsory_bytes(shape, dtype, direction)
-            row.gbps = row.bytes / (row.timing["median_ms"] / 1e3) / 1e9
-            if bandwidth:
-                row.floor_ms = row.bytes / bandwidth * 1e3
-                row.pct_of_floor = 100 * row.floor_ms / row.timing["median_ms"]
-        except mmdeform_tma.BackendUnavailableError as exc:
-            row.error = "unavailable: " + str(exc).splitlines()[-1].strip(" -")
-        except Exception as exc:
-            if name not in COMPARISONS:
-                raise
-            row.error = failure(exc)  # a compared kernel's failure is a result of the comparison
-        rows.append(row)
+    try:
+        for shape, dtype, locality, backend, direction in bench_common.progress(jobs, len(jobs), "benchmark"):
+            key = (shape.name, dtype, locality)
+            if key not in cache:
+                cache.clear()
+                torch.cuda.empty_cache() if on_gpu else None
+                cache[key] = rotated_input_sets(shape, dtype, locality, device)
+            input_sets = cache[key]
+            row = Row(shape.name, shape.describe(), str(dtype).removeprefix("torch."), locality, backend, direction)
+            name, _, mode = backend.partition("+")
+            try:
+                if direction == "forward":
+                    row.accuracy = accuracy(name, input_sets[0], args.accuracy_queries)
+                if name == "dcnv4":
+                    row.launch_spec = dcnv4_compare.launch_spec(dcnv4_compare.load(), input_sets[0])
+                # the reference reads level shapes on the host: it cannot be captured in a CUDA graph
+                graphs = not args.no_graphs and name != "pytorch"
+                with deterministic_algorithms(mode == "det"):
+                    samples, row.timing_mode = bench_common.time_calls(
+                        device, timed_calls(name, direction, input_sets), warmup, iters, use_graphs=graphs
+                    )
+                    if on_gpu:
+                        row.peak_extra_mb = peak_extra_memory(timed_calls(name, direction, input_sets[:1])[0])
+                row.timing = bench_common.summarize(samples)
+                row.bytes = compulsory_bytes(shape, dtype, direction)
+                row.gbps = row.bytes / (row.timing["median_ms"] / 1e3) / 1e9
+                if bandwidth:
+                    row.floor_ms = row.bytes / bandwidth * 1e3
+                    row.pct_of_floor = 100 * row.floor_ms / row.timing["median_ms"]
+            except mmdeform_tma.BackendUnavailableError as exc:
+                row.error = "unavailable: " + str(exc).splitlines()[-1].strip(" -")
+            except Exception as exc:
+                if name not in COMPARISONS:
+                    raise
+                row.error = failure(exc)  # a compared kernel's failure is a result of the comparison
+            rows.append(row)
+    except BaseException as exc:  # keep what was measured, e.g. when a compared kernel broke the CUDA context
+        env["incomplete"] = f"stopped after {len(rows)} of {len(jobs)} rows: {failure(exc)}"
+        write_outputs(args.out, env, with_speedups(rows))
+        print(f"{env['incomplete']}; wrote what was measured to {args.out}.json", file=sys.stderr)
+        raise
 
-    for row in rows:
-        base = next(
-            (r for r in rows if r.backend == "mmcv" and r.timing and not r.error and (r.preset, r.dtype, r.locality, r.direction) == (row.preset, row.dtype, row.locality, row.direction)),
-            None,
-        )
-        if base and row.timing:
-            row.speedup_vs_mmcv = base.timing["median_ms"] / row.timing["median_ms"]
-
-    write_outputs(args.out, env, rows)
+    write_outputs(args.out, env, with_speedups(rows))
     print(format_console(rows))
     print(f"\nwrote {args.out}.json, {args.out}.md, {args.out}.png  (device: {env['device']}, commit {env['commit']})")
     return 0
+
+
+def with_speedups(rows: list[Row]) -> list[Row]:
+    """Each row's speed-up over mmcv's row of the same case, dtype and direction."""
+
+    def key(r: Row) -> tuple:
+        return (r.preset, r.dtype, r.locality, r.direction)
+
+    for row in rows:
+        base = next((r for r in rows if r.backend == "mmcv" and r.timing and not r.error and key(r) == key(row)), None)
+        if base and row.timing:
+            row.speedup_vs_mmcv = base.timing["median_ms"] / row.timing["median_ms"]
+    return rows
 
 
 def host_overhead(args, device: torch.device) -> int:
@@ -604,6 +615,8 @@ def write_outputs(prefix: Path, env: dict, rows: list[Row]) -> None:
         "",
         bench_common.markdown_table(header, body),
     ]
+    if env.get("incomplete"):
+        md[1:1] = ["", f"**Incomplete run**: {env['incomplete']}"]
     launches = sorted({(r.backend, r.preset, json.dumps(r.launch_spec)) for r in rows if r.launch_spec})
     if launches:
         md += ["", "Launch parameters the compared kernels chose for themselves (timed problem):", ""]

@@ -82,10 +82,11 @@ def unpack_gradients(grad_value: torch.Tensor, grad_packed: torch.Tensor, locati
     }
 
 
-def launch_spec(dcnv4: Dcnv4, batch: int, queries: int, heads: int, channels: int) -> dict:
+def launch_spec(dcnv4: Dcnv4, inputs) -> dict:
     """The (d_stride, threads per block) DCNv4 launches with for this problem, per direction."""
-    forward = dcnv4.findspec(batch, queries, heads, channels)
-    backward = dcnv4.findspec_bwd(batch, queries, heads, channels)
+    value, _, _, locations, _ = inputs
+    problem = (value.shape[0], locations.shape[1], value.shape[2], value.shape[3])  # batch, queries, heads, channels
+    forward, backward = dcnv4.findspec(*problem), dcnv4.findspec_bwd(*problem)
     return {
         "forward": {"d_stride": forward[0], "block_threads": forward[1]},
         "backward": {"d_stride": backward[0], "block_threads": backward[1]},
@@ -101,11 +102,10 @@ def bind(dcnv4: Dcnv4, inputs) -> BoundCall:
     def run(value, packed):
         return dcnv4.function.apply(value, spatial_shapes, level_start_index, packed, IM2COL_STEP, points)
 
-    batch, queries, heads, channels = value.shape[0], locations.shape[1], value.shape[2], value.shape[3]
     return BoundCall(
         leaves=(value, pack_locations_and_logits(locations, weights, value.dtype)),
         run=run,
         gradients=lambda grads: unpack_gradients(grads[0], grads[1], locations.shape),
         failures_are_results=True,
-        launch_spec=launch_spec(dcnv4, batch, queries, heads, channels),
+        launch_spec=launch_spec(dcnv4, inputs),
     )

@@ -176,6 +176,7 @@ def summarize_case(timings: list[Timing]) -> dict:
     fastest = min(candidates, key=candidates.get) if candidates else None
     auto_ms = ok.get("auto")
     ratio = auto_ms / candidates[fastest] if fastest and auto_ms else None
+    modes = {t.backend: t.timing_mode for t in timings if t.timing and not t.error}
     return {
         "case": first.case,
         "name": first.name,
@@ -191,6 +192,8 @@ def summarize_case(timings: list[Timing]) -> dict:
         "auto_pick": auto.ran if auto else None,
         "ratio": ratio,
         "within_target": None if ratio is None else ratio <= TARGET_RATIO,
+        # a graph capture that failed for one of the two makes the ratio one of eager against replay
+        "same_timing_mode": None if ratio is None else modes["auto"] == modes[fastest],
     }
 
 
@@ -219,12 +222,28 @@ def time_case(
 
 def auto_pick(inputs, direction: str) -> str:
     """The backend 'auto' runs in `direction`: the forward as timed (no gradients), the backward
-    after a forward that records one."""
+    after a forward that records one. Read from the ops it calls; where none is recognised, what
+    `mmdeform_tma.dispatch.select` declares, if the package has it; else 'unknown'."""
     bound = benchmark_op.bind("auto", inputs)
     if direction == "forward":
-        return bench_common.observed_backends(benchmark_op.direction_call(bound, "forward", None))["forward"]
-    grad_out = benchmark_op.output_gradient(inputs, torch.Generator(inputs[0].device).manual_seed(5))
-    return bench_common.observed_backends(benchmark_op.direction_call(bound, "forward+backward", grad_out))["backward"]
+        ran = bench_common.observed_backends(benchmark_op.direction_call(bound, "forward", None))["forward"]
+    else:
+        grad_out = benchmark_op.output_gradient(inputs, torch.Generator(inputs[0].device).manual_seed(5))
+        training_step = benchmark_op.direction_call(bound, "forward+backward", grad_out)
+        ran = bench_common.observed_backends(training_step)["backward"]
+    return ran if ran != "unknown" else declared_pick(inputs, direction)
+
+
+def declared_pick(inputs, direction: str) -> str:
+    select = getattr(mmdeform_tma.dispatch, "select", None)  # per-direction selection, where the package has it
+    if select is None:
+        return "unknown"
+    value, shapes, starts, locations, weights = inputs
+    if direction == "backward":
+        locations = locations.detach().requires_grad_()
+    with torch.set_grad_enabled(direction == "backward"):
+        selection = select("auto", mmdeform_tma.inputs.validate(value, shapes, starts, locations, weights))
+    return f"{getattr(selection, direction).name} (dispatch.select)"
 
 
 def parse_args(argv=None):
@@ -303,8 +322,10 @@ def summary_table(summary: list[dict]) -> tuple[list[str], list[list[object]]]:
     header.append(f"<= {TARGET_RATIO:.2f}")
     verdict = {True: "yes", False: "**no**", None: "-"}
     rows = [
-        [s["case"], s["shape"], s["dtype"], s["locality"], s["direction"], s["fastest"] or "-", fmt(s["fastest_ms"], ".4f"),
-         s["auto_pick"] or "-", fmt(s["auto_ms"], ".4f"), fmt(s["ratio"], ".3f"), verdict[s["within_target"]]]
+        [s["case"], s["shape"], s["dtype"], s["locality"], s["direction"], s["fastest"] or "-",
+         fmt(s["fastest_ms"], ".4f"), s["auto_pick"] or "-", fmt(s["auto_ms"], ".4f"),
+         fmt(s["ratio"], ".3f") + ("" if s["same_timing_mode"] in (True, None) else " (timing modes differ)"),
+         verdict[s["within_target"]]]
         for s in summary
     ]
     return header, rows
@@ -350,7 +371,9 @@ def plot(path: Path, env: dict, summary: list[dict]) -> None:
     fig, ax = plt.subplots(figsize=(max(8, 0.25 * len(cases) + 3), 4))
     for direction, marker in zip(SWEEP_DIRECTIONS, ("o", "s")):
         points = [
-            (cases.index(s["case"]), s["ratio"]) for s in summary if s["direction"] == direction and s["ratio"] is not None
+            (cases.index(s["case"]), s["ratio"])
+            for s in summary
+            if s["direction"] == direction and s["ratio"] is not None
         ]
         if points:
             ax.scatter(*zip(*points), marker=marker, label=direction, s=22)

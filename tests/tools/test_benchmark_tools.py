@@ -38,6 +38,26 @@ def test_benchmark_op_explicit_shape(tmp_path):
     assert row["shape"] == "bs1 nq=5 S=120 L2 P2 H2 C4"
 
 
+def test_benchmark_op_keeps_the_rows_measured_before_a_crash(tmp_path, monkeypatch):
+    import benchmark_op
+
+    calls = []
+
+    def failing_on_the_second_row(*args):
+        calls.append(args)
+        if len(calls) == 2:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return 1
+
+    monkeypatch.setattr(benchmark_op, "compulsory_bytes", failing_on_the_second_row)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        benchmark_op.main(["--device", "cpu", "--iters", "1", "--warmup", "1", "--out", str(tmp_path / "op")])
+    data = json.loads((tmp_path / "op.json").read_text())
+    assert [r["direction"] for r in data["results"]] == ["forward"]
+    assert data["environment"]["incomplete"] == "stopped after 1 of 3 rows: RuntimeError: CUDA error: an illegal memory access was encountered"
+    assert "**Incomplete run**" in (tmp_path / "op.md").read_text()
+
+
 def test_compulsory_bytes_of_the_encoder_preset():
     import benchmark_op
 
@@ -88,6 +108,28 @@ def test_iteration_breakdown_counts_per_step_inside_the_step_ranges():
     assert got["sync_calls"] == {"cudaStreamSynchronize": 1, "cudaDeviceSynchronize": 0, "cudaEventSynchronize": 0, "cudaMemcpy": 0.5}
     assert got["host_syncs"] == 1.5 and got["scalar_reads"] == 2
     assert got["msda_share_pct"] == pytest.approx(100 * 30 / 160)
+
+
+def test_trace_events_drop_the_gpu_copies_of_annotations():
+    from types import SimpleNamespace
+
+    import benchmark_e2e
+    from torch.autograd import DeviceType
+
+    def event(name, device_type, start, end, annotation=False):
+        span = SimpleNamespace(start=start, elapsed_us=lambda: end - start)
+        return SimpleNamespace(name=name, device_type=device_type, time_range=span, is_user_annotation=annotation)
+
+    step = benchmark_e2e.STEP_RANGE
+    events = benchmark_e2e.trace_events([
+        event(step, DeviceType.CPU, 0, 100, annotation=True),
+        event("cudaLaunchKernel", DeviceType.CPU, 1, 2),
+        event(step, DeviceType.CUDA, 5, 200, annotation=True),  # gpu_user_annotation: spans the step's kernels
+        event("Optimizer.step#AdamW.step", DeviceType.CUDA, 50, 150, annotation=True),
+        event("vectorized_elementwise_kernel", DeviceType.CUDA, 10, 30),
+    ])
+    assert [(e.name, e.on_device) for e in events] == [(step, False), ("cudaLaunchKernel", False), ("vectorized_elementwise_kernel", True)]
+    assert benchmark_e2e.iteration_breakdown(events)["gpu_kernel_ms"] == pytest.approx(0.02)
 
 
 def test_iteration_breakdown_needs_step_ranges():

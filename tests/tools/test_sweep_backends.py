@@ -41,9 +41,9 @@ def test_the_default_sweep_fits_its_time_budget_on_an_h100():
     assert 60 < seconds < 8 * 60
 
 
-def timing(backend, ms=None, error=None, direction="forward", ran=None):
+def timing(backend, ms=None, error=None, direction="forward", ran=None, mode="cuda events, graph replay"):
     return sweep_backends.Timing(3, "s03", "shape", "float16", "local", direction, backend,
-                                 {"median_ms": ms} if ms else {}, "", ran, error)
+                                 {"median_ms": ms} if ms else {}, mode if ms else "", ran, error)
 
 
 def test_summary_names_the_fastest_and_auto_s_ratio():
@@ -53,7 +53,16 @@ def test_summary_names_the_fastest_and_auto_s_ratio():
     assert (summary["fastest"], summary["fastest_ms"], summary["auto_ms"], summary["auto_pick"]) == ("cuda", 1.0, 1.2, "tma")
     assert summary["ratio"] == pytest.approx(1.2) and summary["within_target"] is False
     assert summary["unavailable"] == {"tma_ws": "unavailable: channels"}
+    assert summary["same_timing_mode"] is True
     assert sweep_backends.summarize_case([timing("cuda", 1.0), timing("auto", 1.05, ran="cuda")])["within_target"] is True
+
+
+def test_summary_flags_auto_timed_eagerly_against_a_replayed_fastest():
+    eager = "cuda events, eager (graph capture failed: RuntimeError: sync)"
+    summary = sweep_backends.summarize_case([timing("cuda", 1.0), timing("auto", 3.0, ran="cuda", mode=eager)])
+    assert summary["same_timing_mode"] is False
+    header, rows = sweep_backends.summary_table([summary])
+    assert rows[0][header.index("ratio")] == "3.000 (timing modes differ)"
 
 
 def test_summary_without_an_auto_time_judges_nothing():
@@ -90,6 +99,28 @@ def test_a_small_sweep_end_to_end(tmp_path, monkeypatch):
     rendered = tmp_path / "again"
     assert sweep_backends.main(["--render", str(out.with_suffix(".json")), "--out", str(rendered)]) == 0
     assert rendered.with_suffix(".md").read_text().count("\n") == out.with_suffix(".md").read_text().count("\n")
+
+
+def test_auto_pick_falls_back_on_what_dispatch_declares(monkeypatch):
+    from types import SimpleNamespace
+
+    import mmdeform_tma
+
+    tiny = benchmark_op.Shape("tiny", ((4, 4),), 1, 3, heads=1, channels=2, points=1)
+    inputs = benchmark_op.make_inputs(tiny, torch.float32, "local", torch.device("cpu"), 0)
+    monkeypatch.setattr(sweep_backends.bench_common, "observed_backends", lambda call: {"forward": "unknown", "backward": "unknown"})
+    monkeypatch.delattr(mmdeform_tma.dispatch, "select", raising=False)
+    assert sweep_backends.auto_pick(inputs, "backward") == "unknown"
+    seen = []
+
+    def select(name, validated):
+        seen.append((name, validated.needs_grad))
+        return SimpleNamespace(forward=SimpleNamespace(name="cuda"), backward=SimpleNamespace(name="tma_ws"))
+
+    monkeypatch.setattr(mmdeform_tma.dispatch, "select", select, raising=False)
+    assert sweep_backends.auto_pick(inputs, "forward") == "cuda (dispatch.select)"
+    assert sweep_backends.auto_pick(inputs, "backward") == "tma_ws (dispatch.select)"
+    assert seen == [("auto", False), ("auto", True)]
 
 
 def test_auto_pick_per_direction():
