@@ -115,7 +115,7 @@ def source_files(*subdirs: str, suffixes=(".cpp", ".cu")) -> list[str]:
 def make_extension():
     with_cuda, why = cuda_build_decision()
     cxx_flags = ["-O3"]  # BuildExtension adds the C++ standard this torch needs
-    sources = [os.path.join(CSRC, "ops.cpp"), *source_files("common", suffixes=(".cpp",))]
+    sources = [os.path.join(CSRC, "ops.cpp"), os.path.join(CSRC, "autograd.cpp"), *source_files("common", suffixes=(".cpp",))]
     config = {
         "torch": torch.__version__,
         "CUDA kernels": f"{'yes' if with_cuda else 'no'} ({why})",

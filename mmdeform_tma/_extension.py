@@ -1,8 +1,10 @@
-"""Loads the compiled extension ``mmdeform_tma._C`` and reports what it was built with.
+"""Loads the compiled extension ``mmdeform_tma._C``, reports what it was built with, and answers
+the dispatcher's questions about the GPU (name, compute capability).
 
 Loading never touches a GPU: it only maps the shared library and registers the operator schema.
-The queries the dispatcher makes per call are `torch.compiler.assume_constant_result`, so that
-torch.compile evaluates them once while tracing instead of breaking the graph.
+GPU queries run once per device. The queries the dispatcher makes are
+`torch.compiler.assume_constant_result`, so that torch.compile evaluates them once while tracing
+instead of breaking the graph.
 """
 
 from __future__ import annotations
@@ -75,11 +77,37 @@ def build_info() -> BuildInfo:
     )
 
 
+@functools.cache
+def _kernel_configs(backend: str, direction: str) -> tuple[str, ...]:
+    module = extension()
+    return tuple(module.kernel_configs(backend, direction)) if module is not None else ()
+
+
 @torch.compiler.assume_constant_result
 def kernel_configs(backend: str, direction: str) -> tuple[str, ...]:
     """Names of the compiled kernel variants of a backend, in the order the ops' `config` indexes."""
-    module = extension()
-    return tuple(module.kernel_configs(backend, direction)) if module is not None else ()
+    return _kernel_configs(backend, direction)
+
+
+@functools.cache
+def _gpu(index: int) -> tuple[str, tuple[int, int]]:
+    return torch.cuda.get_device_name(index), torch.cuda.get_device_capability(index)
+
+
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+@torch.compiler.assume_constant_result
+def device_capability(device: torch.device) -> tuple[int, int]:
+    """Compute capability of a CUDA device, queried once (and constant under torch.compile)."""
+    return _gpu(_index(device))[1]
+
+
+@torch.compiler.assume_constant_result
+def device_name(device: torch.device) -> str:
+    """Name of a CUDA device, the key of its tuning table; queried once."""
+    return _gpu(_index(device))[0]
 
 
 @torch.compiler.assume_constant_result

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .dispatch import select_backend
-from .inputs import validate
+from . import dispatch
 
 
 def multi_scale_deformable_attn(
@@ -36,8 +35,16 @@ def multi_scale_deformable_attn(
         sampling_locations and attention_weights. Corners outside a level contribute zero.
 
     Non-contiguous and expanded inputs are accepted; the compiled backends copy them contiguous.
+    Validation, backend choice and tuning are made once per call signature (`dispatch.plan`);
+    a repeated eager call costs a key and a dictionary lookup on the host.
     """
     if im2col_step is not None and (not isinstance(im2col_step, int) or im2col_step <= 0):
         raise ValueError(f"im2col_step must be a positive int or None, got {im2col_step!r}")
-    inputs = validate(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
-    return select_backend(backend, inputs).forward(inputs)
+    args = (value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
+    if torch.compiler.is_compiling():  # traced once; the graph holds the decisions
+        return dispatch.plan(backend, *args)(*args)
+    key = dispatch.signature(backend, *args)
+    launch = dispatch.PLANS.get(key)
+    if launch is None:
+        launch = dispatch.plan(backend, *args, key=key)
+    return launch(*args)

@@ -187,22 +187,25 @@ def validate(
         "number of queries", {"sampling_locations": sampling_locations.shape[1], "attention_weights": attention_weights.shape[1]}
     )
     # Under torch.compile the values are data-dependent: the kernels' device-side check stands in.
-    if (spatial_shapes.device.type == "cpu" or strict_validation()) and not torch.compiler.is_compiling():
-        check_level_geometry(spatial_shapes, level_start_index, value.shape[1])
+    # Outside strict mode only CPU values are read: reading a GPU tensor would synchronise.
+    if not torch.compiler.is_compiling() and (strict_validation() or spatial_shapes.is_cpu):
+        starts = level_start_index if strict_validation() or level_start_index.is_cpu else None
+        check_level_geometry(spatial_shapes, starts, value.shape[1])
     return MSDAInputs.from_validated(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
 
 
-def check_level_geometry(spatial_shapes: torch.Tensor, level_start_index: torch.Tensor, num_keys: int) -> None:
-    """The values check: h, w >= 0, level_start_index is the running sum of h*w, and it adds up to num_keys."""
+def check_level_geometry(spatial_shapes: torch.Tensor, level_start_index: torch.Tensor | None, num_keys: int) -> None:
+    """The values check: h, w >= 0, level_start_index (when given) is the running sum of h*w, and
+    the levels add up to num_keys."""
     shapes = spatial_shapes.tolist()
-    starts = level_start_index.tolist()
+    starts = level_start_index.tolist() if level_start_index is not None else None
     expected_start = 0
-    for level, ((h, w), start) in enumerate(zip(shapes, starts)):
+    for level, (h, w) in enumerate(shapes):
         if h < 0 or w < 0:
             raise ValueError(f"spatial_shapes[{level}] = ({h}, {w}) is negative")
-        if start != expected_start:
+        if starts is not None and starts[level] != expected_start:
             raise ValueError(
-                f"level_start_index[{level}] = {start} does not match spatial_shapes: level {level} starts at "
+                f"level_start_index[{level}] = {starts[level]} does not match spatial_shapes: level {level} starts at "
                 f"{expected_start} (the sum of h*w of the levels before it); level_start_index = {starts}"
             )
         expected_start += h * w

@@ -3,9 +3,11 @@
 `torch.ops.mmdeform_tma.ms_deform_attn_forward` / `ms_deform_attn_backward` (schema in
 `csrc/ops.cpp`), the compiled kernels:
   - CUDA kernel: C++, `csrc/cuda/dispatch_cuda.cpp` (the cuda, tma and tma_ws kernels);
-  - CPU kernel: the PyTorch reference, so the op, its autograd and torch.compile run on any machine;
-  - fake (meta) kernels for torch.compile / FakeTensor;
-  - autograd: the forward's backward is the backward op; double backward is not supported.
+  - autograd: C++, `csrc/autograd.cpp`: the forward's backward is the backward op, with the
+    backend and config the forward carries; double backward raises;
+  - CPU kernel (here): the PyTorch reference, so the op, its autograd and torch.compile run on any
+    machine;
+  - fake (meta) kernels (here) for torch.compile / FakeTensor.
 
 `torch.ops.mmdeform_tma.reference_forward` / `reference_backward` (defined here): the `pytorch`
 backend as an op on every device, so that torch.compile treats it as one opaque call instead of
@@ -23,24 +25,26 @@ OPS_LOADED = extension() is not None
 _CPU_BACKEND = "pytorch"
 
 
-def ms_deform_attn(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, backend, config):
-    """Differentiable call of the forward op (validated inputs; see mmdeform_tma.functional)."""
+def forward_op():
+    """The differentiable forward op, as an OpOverload (called with validated inputs; see functional)."""
     if not OPS_LOADED:
         raise RuntimeError("mmdeform_tma._C is not loaded, so its ops do not exist; see `python -m mmdeform_tma.info`")
-    return torch.ops.mmdeform_tma.ms_deform_attn_forward(
-        value, spatial_shapes, level_start_index, sampling_locations, attention_weights, backend, config
-    )
+    return torch.ops.mmdeform_tma.ms_deform_attn_forward.default
 
 
-def _require_cpu_backend(backend: str) -> None:
-    if backend != _CPU_BACKEND:
-        raise RuntimeError(
-            f"the CPU kernel of mmdeform_tma's ops is the {_CPU_BACKEND!r} reference; backend {backend!r} runs on CUDA"
-        )
+def _require_cpu_backend(*backends: str | None) -> None:
+    for backend in backends:
+        if backend not in (_CPU_BACKEND, None):
+            raise RuntimeError(
+                f"the CPU kernel of mmdeform_tma's ops is the {_CPU_BACKEND!r} reference; backend {backend!r} runs on CUDA"
+            )
 
 
-def _forward_cpu(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, backend, config):
-    _require_cpu_backend(backend)
+def _forward_cpu(
+    value, spatial_shapes, level_start_index, sampling_locations, attention_weights, backend, config,
+    backward_backend=None, backward_config=-1,
+):
+    _require_cpu_backend(backend, backward_backend)
     return ms_deform_attn_reference(value, spatial_shapes, sampling_locations, attention_weights)
 
 
@@ -51,7 +55,10 @@ def _backward_cpu(
     return ms_deform_attn_reference_backward(grad_output, value, spatial_shapes, sampling_locations, attention_weights)
 
 
-def _forward_fake(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, backend, config):
+def _forward_fake(
+    value, spatial_shapes, level_start_index, sampling_locations, attention_weights, backend, config,
+    backward_backend=None, backward_config=-1,
+):
     bs, queries, heads = sampling_locations.shape[:3]
     return value.new_empty((bs, queries, heads * value.shape[3]))
 
@@ -60,34 +67,6 @@ def _backward_fake(
     grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights, backend, config, deterministic
 ):
     return torch.empty_like(value), torch.empty_like(sampling_locations), torch.empty_like(attention_weights)
-
-
-def _setup_context(ctx, inputs, output):
-    value, spatial_shapes, level_start_index, sampling_locations, attention_weights, backend, config = inputs
-    ctx.save_for_backward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
-    ctx.backend = backend
-
-
-def _backward(ctx, grad_output):
-    from . import tuning
-    from .inputs import MSDAInputs
-
-    value, spatial_shapes, level_start_index, sampling_locations, attention_weights = ctx.saved_tensors
-    config = tuning.kernel_config(
-        ctx.backend, "backward", MSDAInputs.from_validated(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
-    )
-    grad_value, grad_locations, grad_weights = torch.ops.mmdeform_tma.ms_deform_attn_backward(
-        grad_output.contiguous(),
-        value,
-        spatial_shapes,
-        level_start_index,
-        sampling_locations,
-        attention_weights,
-        ctx.backend,
-        config,
-        torch.are_deterministic_algorithms_enabled(),
-    )
-    return grad_value, None, None, grad_locations, grad_weights, None, None
 
 
 @torch.library.custom_op("mmdeform_tma::reference_forward", mutates_args=())
@@ -141,4 +120,3 @@ if OPS_LOADED:
     torch.library.register_kernel(_BACKWARD, "cpu", _backward_cpu)
     torch.library.register_fake(_FORWARD, _forward_fake)
     torch.library.register_fake(_BACKWARD, _backward_fake)
-    torch.library.register_autograd(_FORWARD, _backward, setup_context=_setup_context)

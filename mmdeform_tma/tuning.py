@@ -1,28 +1,40 @@
-"""Autotuned kernel choices, read at run time.
+"""Autotuned choices, read at run time: which compiled backend 'auto' runs in each direction, and
+which kernel variant ("config") a backend runs.
 
 `tools/autotune.py` times every compiled variant of each backend on a GPU, drops the ones that fail
-the correctness check, and writes the best few per shape into `tuning_tables/<device>.json`. Here:
-  - `kernel_config` gives the `config` index of the fastest variant for a call (-1: the kernel's
-    own heuristic);
-  - `preferred_backends` orders the compiled backends by measured time, which 'auto' follows.
-`MMDEFORM_TMA_TUNING_TABLE=/path/table.json` adds a table of your own (it wins on equal keys).
-Lookups are `assume_constant_result`: torch.compile resolves them once while tracing.
+the correctness check, and writes the best few per shape into `tuning_tables/<device>.json`, with
+the GPU's name and compute capability. Here:
+  - `fastest_backend` picks, for one direction, the fastest of the backends that can run;
+  - `kernel_config` gives the `config` index of a backend's fastest variant (-1: the kernel's own
+    heuristic).
+Both answer for shapes the table lacks from the nearest measured shape (`distance`), never from a
+fixed order. A GPU without a table of its own uses the tables of GPUs of its compute capability
+(an H200 reads the H100's); a fixed order remains only where nothing of its architecture was
+measured. `MMDEFORM_TMA_TUNING_TABLE=/path/table.json` adds a table of your own (it wins on equal
+keys). Lookups are cached and `assume_constant_result`: torch.compile resolves them once while
+tracing; eager calls make them once per call signature (`mmdeform_tma.functional`).
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import math
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from ._extension import kernel_configs
+from ._extension import device_capability, device_name, kernel_configs
 from .inputs import MSDAInputs
 
 TABLE_DIR = Path(__file__).with_name("tuning_tables")
 TABLE_FORMAT = 1
+ELEMENT_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
+
+# key -> backend -> direction -> [(config name, median ms)], best first
+Entries = dict[str, dict[str, dict[str, list[tuple[str, float]]]]]
 
 
 def shape_key(dtype: torch.dtype, heads: int, channels: int, levels: int, points: int, work: int) -> str:
@@ -36,14 +48,43 @@ def inputs_key(inputs: MSDAInputs) -> str:
     )
 
 
-@functools.cache
-def _device_name(index: int) -> str:
-    return torch.cuda.get_device_name(index)
+@dataclass(frozen=True)
+class ShapeKey:
+    dtype: str
+    heads: int
+    channels: int
+    levels: int
+    points: int
+    work_bits: int
+
+    @classmethod
+    def parse(cls, key: str) -> ShapeKey:
+        dtype, *fields = key.split("/")
+        heads, channels, levels, points, work_bits = (int(field[1:]) for field in fields)
+        return cls(dtype, heads, channels, levels, points, work_bits)
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one head's channels: what the kernels' vector and TMA layouts follow."""
+        return self.channels * ELEMENT_BYTES.get(self.dtype, 4)
 
 
-@torch.compiler.assume_constant_result
-def device_name(device: torch.device) -> str:
-    return _device_name(device.index if device.index is not None else torch.cuda.current_device())
+def distance(target: ShapeKey, measured: ShapeKey) -> tuple:
+    """How far a measured shape is from the target; smaller tuples are nearer.
+
+    First the number of layout differences (dtype, bytes per head row, heads): the kernels' code
+    paths follow the layout. Then the size: |log2 work| + |levels| + |log2 points| apart, where work
+    is batch x queries. On a tie the larger measured shape wins (a wrong choice costs more there).
+    """
+    layout = (
+        (target.dtype != measured.dtype) + (target.row_bytes != measured.row_bytes) + (target.heads != measured.heads)
+    )
+    size = (
+        abs(target.work_bits - measured.work_bits)
+        + abs(target.levels - measured.levels)
+        + abs(math.log2(max(target.points, 1)) - math.log2(max(measured.points, 1)))
+    )
+    return layout, size, -measured.work_bits, -measured.levels, -measured.points
 
 
 def table_paths() -> list[Path]:
@@ -52,50 +93,112 @@ def table_paths() -> list[Path]:
     return paths + ([Path(extra)] if extra else [])
 
 
+@dataclass(frozen=True)
+class Table:
+    capability: tuple[int, int] | None  # None in tables written before autotune recorded it
+    entries: Entries
+
+
 @functools.cache
-def load_tables() -> dict[str, dict[str, dict[str, dict[str, list[tuple[str, float]]]]]]:
-    """device name -> shape key -> backend -> direction -> [(config name, median ms)], best first."""
-    tables: dict = {}
+def load_tables() -> dict[str, Table]:
+    """device name -> its table."""
+    tables: dict[str, Table] = {}
     for path in table_paths():
         data = json.loads(path.read_text())
         if data.get("format") != TABLE_FORMAT:
             raise ValueError(f"{path}: tuning table format {data.get('format')!r}, expected {TABLE_FORMAT}")
-        per_device = tables.setdefault(data["device"], {})
+        known = tables.get(data["device"], Table(None, {}))
+        capability = tuple(data["capability"]) if "capability" in data else known.capability
+        table = tables[data["device"]] = Table(capability, known.entries)
         for entry in data["entries"]:
             ranked = [(choice["config"], float(choice["ms"])) for choice in entry["best"]]
-            per_device.setdefault(entry["key"], {}).setdefault(entry["backend"], {})[entry["direction"]] = ranked
+            table.entries.setdefault(entry["key"], {}).setdefault(entry["backend"], {})[entry["direction"]] = ranked
     return tables
 
 
+@functools.cache
+def measurements(device: str, capability: tuple[int, int]) -> Entries:
+    """This GPU's table, or else the merged tables of GPUs with its compute capability."""
+    tables = load_tables()
+    if device in tables:
+        return tables[device].entries
+    merged: Entries = {}
+    for name in sorted(tables):
+        if tables[name].capability == tuple(capability):
+            for key, per_backend in tables[name].entries.items():
+                for backend, per_direction in per_backend.items():
+                    merged.setdefault(key, {}).setdefault(backend, {}).update(per_direction)
+    return merged
+
+
+@functools.cache
+def nearest_times(
+    device: str, capability: tuple[int, int], key: str, direction: str, candidates: tuple[str, ...]
+) -> tuple[str, dict[str, float]] | None:
+    """The nearest measured shape with a time for any candidate in `direction`, and those times."""
+    target = ShapeKey.parse(key)
+    best = None
+    for measured_key, per_backend in measurements(device, capability).items():
+        times = {b: per_backend[b][direction][0][1] for b in candidates if per_backend.get(b, {}).get(direction)}
+        if times:
+            rank = distance(target, ShapeKey.parse(measured_key))
+            if best is None or rank < best[0]:
+                best = (rank, measured_key, times)
+    return None if best is None else (best[1], best[2])
+
+
 @torch.compiler.assume_constant_result
-def _best_config(device: str, key: str, backend: str, direction: str) -> int:
-    ranked = load_tables().get(device, {}).get(key, {}).get(backend, {}).get(direction)
+def _fastest(device: str, capability: tuple[int, int], key: str, direction: str, candidates: tuple[str, ...]) -> str:
+    found = nearest_times(device, capability, key, direction, candidates)
+    if found is None:
+        return candidates[0]
+    times = found[1]
+    return min(times, key=times.get)
+
+
+def fastest_backend(direction: str, inputs: MSDAInputs, candidates: tuple[str, ...]) -> str:
+    """Of `candidates` (compiled backends able to run, in priority order), the fastest in `direction`
+    at this shape or the nearest measured one; the first when nothing of this GPU's architecture
+    was measured."""
+    device = inputs.device
+    return _fastest(device_name(device), device_capability(device), inputs_key(inputs), direction, candidates)
+
+
+@functools.cache
+def ranked_configs(device: str, capability: tuple[int, int], key: str, backend: str, direction: str) -> tuple[str, ...]:
+    """Config names for this shape, best first: its own measurement, else the nearest measured shape
+    of the same layout (dtype, heads, channels), whose variants are valid for it; else none."""
+    target = ShapeKey.parse(key)
+    best = None
+    for measured_key, per_backend in measurements(device, capability).items():
+        ranked = per_backend.get(backend, {}).get(direction)
+        measured = ShapeKey.parse(measured_key)
+        same_layout = (measured.dtype, measured.heads, measured.channels) == (target.dtype, target.heads, target.channels)
+        if ranked and same_layout:
+            rank = distance(target, measured)
+            if best is None or rank < best[0]:
+                best = (rank, ranked)
+    return () if best is None else tuple(name for name, _ in best[1])
+
+
+@torch.compiler.assume_constant_result
+def _best_config(device: str, capability: tuple[int, int], key: str, backend: str, direction: str) -> int:
     names = kernel_configs(backend, direction)
-    for config_name, _ in ranked or ():
+    for config_name in ranked_configs(device, capability, key, backend, direction):
         if config_name in names:
             return names.index(config_name)
     return -1
 
 
-@torch.compiler.assume_constant_result
-def _fastest_backends(device: str, key: str, with_backward: bool) -> tuple[str, ...]:
-    directions = ("forward", "backward") if with_backward else ("forward",)
-    totals = {}
-    for backend, per_direction in load_tables().get(device, {}).get(key, {}).items():
-        if all(per_direction.get(d) for d in directions):
-            totals[backend] = sum(per_direction[d][0][1] for d in directions)
-    return tuple(sorted(totals, key=totals.get))
-
-
 def kernel_config(backend: str, direction: str, inputs: MSDAInputs) -> int:
     """The tuned `config` index for this call, or -1 (the kernel's own heuristic)."""
-    if inputs.device.type != "cuda":
+    device = inputs.device
+    if device.type != "cuda":
         return -1
-    return _best_config(device_name(inputs.device), inputs_key(inputs), backend, direction)
+    return _best_config(device_name(device), device_capability(device), inputs_key(inputs), backend, direction)
 
 
-def preferred_backends(inputs: MSDAInputs) -> tuple[str, ...]:
-    """Compiled backends with measurements for this shape, fastest first."""
-    if inputs.device.type != "cuda":
-        return ()
-    return _fastest_backends(device_name(inputs.device), inputs_key(inputs), inputs.needs_grad)
+def clear_caches() -> None:
+    """Forget loaded tables and lookups (after changing MMDEFORM_TMA_TUNING_TABLE or a table file)."""
+    for cached in (load_tables, measurements, nearest_times, ranked_configs):
+        cached.cache_clear()

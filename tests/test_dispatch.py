@@ -1,12 +1,15 @@
-"""Backend selection: 'auto' takes the first able backend; a named one runs or raises its reasons."""
+"""Backend selection: 'auto' takes the fastest able backend per direction; a named one runs or raises its reasons."""
+
+import json
 
 import pytest
 import torch
 
 import mmdeform_tma
-from mmdeform_tma import dispatch
+from mmdeform_tma import dispatch, library
 from mmdeform_tma.backends import BACKENDS
 from mmdeform_tma.inputs import validate
+from fake_gpu import H100, cuda_like, on_cuda, pretend_gpu
 from msda_cases import make_problem
 
 
@@ -71,8 +74,65 @@ def test_determinism_rules(inputs):
         assert not any("not deterministic" in r for r in BACKENDS["mmcv"].not_supported_reasons(no_grad))
 
 
-def test_auto_follows_tuning_table_order(inputs, monkeypatch):
-    monkeypatch.setattr(dispatch.tuning, "preferred_backends", lambda _: ("cuda", "tma_ws"))
-    cuda_inputs = validate(*[t.to("meta") for t in (inputs.value, inputs.spatial_shapes, inputs.level_start_index, inputs.sampling_locations, inputs.attention_weights)])
-    monkeypatch.setattr(type(cuda_inputs), "device", property(lambda self: torch.device("cuda")))
-    assert dispatch.auto_order(cuda_inputs)[:3] == ("cuda", "tma_ws", "tma")
+class TestAutoOnAGpu:
+    """'auto' on CUDA-like inputs of a pretended H100 whose table is a synthetic one."""
+
+    @pytest.fixture(autouse=True)
+    def gpu(self, monkeypatch, tmp_path):
+        entries = [
+            {"key": key, "backend": backend, "direction": direction, "best": [{"config": "c0", "ms": ms}]}
+            for key, times in {
+                # decoder-sized: tma_ws forward, cuda backward; encoder-sized: cuda forward, tma_ws backward
+                "float16/h2/c32/l2/p2/w4": {("tma_ws", "forward"): 0.02, ("cuda", "forward"): 0.03, ("tma_ws", "backward"): 0.09, ("cuda", "backward"): 0.08},
+                "float16/h2/c32/l2/p2/w16": {("tma_ws", "forward"): 0.4, ("cuda", "forward"): 0.2, ("tma_ws", "backward"): 1.0, ("cuda", "backward"): 1.1},
+            }.items()
+            for (backend, direction), ms in times.items()
+        ]
+        table = tmp_path / "h100.json"
+        table.write_text(json.dumps({"format": 1, "device": H100[0], "capability": list(H100[1]), "entries": entries}))
+        monkeypatch.setattr(dispatch.tuning, "TABLE_DIR", tmp_path / "none")
+        monkeypatch.setenv("MMDEFORM_TMA_TUNING_TABLE", str(table))
+        pretend_gpu(monkeypatch)
+        yield
+        dispatch.clear_caches()
+
+    @staticmethod
+    def select(generator, queries, requires_grad=True, channels=32):
+        p = make_problem([(6, 5), (3, 3)], batch=1, queries=queries, heads=2, channels=channels, points=2, dtype=torch.float16, generator=generator)
+        with cuda_like():
+            value, shapes, starts, loc, attn = on_cuda(*p.args())
+            inputs = validate(value.requires_grad_(requires_grad), shapes, starts, loc, attn)
+            forward, backward = dispatch.select("auto", inputs)
+        return forward.name, backward.name
+
+    def test_each_direction_takes_its_fastest_backend(self, generator):
+        assert self.select(generator, queries=10) == ("tma_ws", "cuda")  # w4, measured
+        assert self.select(generator, queries=40000) == ("cuda", "tma_ws")  # w16, measured
+
+    def test_without_a_backward_the_backward_is_the_forward_s(self, generator):
+        assert self.select(generator, queries=10, requires_grad=False) == ("tma_ws", "tma_ws")
+
+    def test_an_unmeasured_shape_takes_the_nearest_not_the_static_order(self, generator):
+        assert dispatch.AUTO_PRIORITY[0] == "tma_ws"
+        assert self.select(generator, queries=20000) == ("cuda", "tma_ws")  # w15: the encoder's times
+        assert self.select(generator, queries=30) == ("tma_ws", "cuda")  # w5: the decoder's
+
+    def test_never_a_backend_that_cannot_run(self, generator):
+        # 4 fp16 channels are 8-byte rows: no TMA layout. The table's favourite cannot be taken.
+        assert self.select(generator, queries=10, channels=4) == ("cuda", "cuda")
+
+    def test_the_call_carries_the_backward_choice_to_the_op(self, generator, monkeypatch):
+        calls = []
+        monkeypatch.setattr(library, "forward_op", lambda: lambda *args: calls.append(args[5:]))
+        p = make_problem([(6, 5), (3, 3)], batch=1, queries=10, heads=2, channels=32, points=2, dtype=torch.float16, generator=generator)
+        with cuda_like():
+            value, shapes, starts, loc, attn = on_cuda(*p.args())
+            mmdeform_tma.multi_scale_deformable_attn(value.requires_grad_(), shapes, starts, loc, attn, backend="auto")
+        assert calls == [("tma_ws", -1, "cuda", -1)]
+
+    def test_a_named_backend_still_raises_its_reasons(self, generator):
+        p = make_problem([(6, 5), (3, 3)], batch=1, queries=10, heads=2, channels=4, points=2, dtype=torch.float16, generator=generator)
+        with cuda_like():
+            inputs = validate(*on_cuda(*p.args()))
+            with pytest.raises(mmdeform_tma.BackendUnavailableError, match="backend 'tma_ws' cannot run .*\n  - a head's channels"):
+                dispatch.select("tma_ws", inputs)

@@ -6,8 +6,10 @@
 For every (shape, dtype, backend, direction) it runs each compiled variant ("config") once on a
 query subset against float64 and rejects every config that fails the accuracy rules or raises,
 then times the survivors (CUDA-graph replays, rotated inputs) and keeps the best few. The result
-is merged into mmdeform_tma/tuning_tables/<device>.json (or --table); 'auto' and the kernels'
-config choice follow it (mmdeform_tma/tuning.py).
+is merged into mmdeform_tma/tuning_tables/<device>.json (or --table), with the GPU's compute
+capability, so that GPUs without a table of their own use it too; 'auto' (per direction) and the
+kernels' config choice follow it, at unmeasured shapes from the nearest measured one
+(mmdeform_tma/tuning.py).
 """
 
 from __future__ import annotations
@@ -150,6 +152,7 @@ def main(argv=None) -> int:
                     )
                     report.append({"preset": preset, "dtype": str(dtype), "backend": backend, "direction": direction, "key": key, "results": results})
 
+    table["capability"] = list(torch.cuda.get_device_capability(device))
     table["entries"] = sorted(entries.values(), key=lambda e: (e["key"], e["backend"], e["direction"]))
     table["updated"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     table["commit"] = env["commit"]

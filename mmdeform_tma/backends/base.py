@@ -2,28 +2,59 @@
 
 from __future__ import annotations
 
-import functools
-from typing import ClassVar
+from typing import Callable, ClassVar
 
 import torch
 
+from .._extension import device_capability
 from ..inputs import MSDAInputs
 
+__all__ = ["Backend", "Launch", "clear_device_copies", "device_capability", "device_copy", "dtype_name", "on_device"]
 
-@functools.cache
-def _capability(device_index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device_index)
-
-
-@torch.compiler.assume_constant_result
-def device_capability(device: torch.device) -> tuple[int, int]:
-    """Compute capability of a CUDA device, queried once (and constant under torch.compile)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _capability(index)
+# (value, spatial_shapes, level_start_index, sampling_locations, attention_weights) -> output
+Launch = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# Device copies of CPU level geometry, per (device, dtype, shape, values); few distinct ones exist.
+_DEVICE_COPIES: dict[tuple, torch.Tensor] = {}
+MAX_DEVICE_COPIES = 256
 
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def _as_given(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+def device_copy(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The cached copy on `device` of a small CPU int tensor, made once per device and values."""
+    key = (device, tensor.dtype, tuple(tensor.shape), tuple(tensor.reshape(-1).tolist()))
+    copy = _DEVICE_COPIES.get(key)
+    if copy is None:
+        if len(_DEVICE_COPIES) >= MAX_DEVICE_COPIES:
+            _DEVICE_COPIES.pop(next(iter(_DEVICE_COPIES)))
+        with torch.inference_mode(False):  # an inference tensor could not be saved for a later backward
+            copy = torch.tensor(key[3], dtype=tensor.dtype).reshape(key[2]).to(device, non_blocking=True)
+        _DEVICE_COPIES[key] = copy
+    return copy
+
+
+def clear_device_copies() -> None:
+    _DEVICE_COPIES.clear()
+
+
+def on_device(tensor: torch.Tensor, device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
+    """How a launch passes level geometry (`spatial_shapes`, `level_start_index`) to a kernel on
+    `device`, decided once per call signature: as given when it is there already; else the cached
+    copy of its values (the values are part of the signature), so no call copies host to device.
+    Under torch.compile (values unknown while tracing), a dispatch mode or a tensor subclass (the
+    copy would not be what the mode expects) it is copied per call, as before caching."""
+    if tensor.device == device:
+        return _as_given
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() or type(tensor) is not torch.Tensor:
+        return lambda t: t.to(device, non_blocking=True)
+    copy = device_copy(tensor, device)
+    return lambda _: copy
 
 
 class Backend:
@@ -66,6 +97,9 @@ class Backend:
     def extra_reasons(self, inputs: MSDAInputs) -> list[str]:
         return []
 
-    def forward(self, inputs: MSDAInputs) -> torch.Tensor:
-        """Differentiable output of shape (bs, queries, heads * channels)."""
+    def launcher(self, inputs: MSDAInputs, backward: Backend) -> Launch:
+        """The call this backend makes for inputs of this signature, with everything that follows
+        from metadata bound (kernel configs, device copies of CPU level geometry); `backward` is
+        the backend whose backward the call's autograd runs. Its result is differentiable, of shape
+        (bs, queries, heads * channels). It is cached per signature, so it must hold no input tensor."""
         raise NotImplementedError

@@ -8,14 +8,15 @@ import torch
 
 from .. import _extension, library, tuning
 from ..inputs import MSDAInputs
-from .base import Backend, device_capability
+from .base import Backend, Launch, device_capability, on_device
 
 
 class CompiledKernelBackend(Backend):
     """Calls `torch.ops.mmdeform_tma.ms_deform_attn_forward` with `backend=self.name`.
 
-    Autograd, the fake (meta) implementation and the backward op are registered in `library`.
-    Under torch.use_deterministic_algorithms(True) the backward switches to its fixed-point path.
+    Autograd is the op's own (C++): the call carries the backward's backend and config, so the
+    backward needs no lookup. Under torch.use_deterministic_algorithms(True), read when the
+    backward runs, it takes the fixed-point path. Non-contiguous inputs are copied by the op.
     """
 
     devices = frozenset({"cuda"})
@@ -42,15 +43,16 @@ class CompiledKernelBackend(Backend):
     def shape_reasons(self, inputs: MSDAInputs) -> list[str]:
         return []
 
-    def forward(self, inputs: MSDAInputs) -> torch.Tensor:
-        device = inputs.device
-        config = tuning.kernel_config(self.name, "forward", inputs)
-        return library.ms_deform_attn(
-            inputs.value.contiguous(),
-            inputs.spatial_shapes.to(device, non_blocking=True).contiguous(),
-            inputs.level_start_index.to(device, non_blocking=True).contiguous(),
-            inputs.sampling_locations.contiguous(),
-            inputs.attention_weights.contiguous(),
-            self.name,
-            config,
-        )
+    def launcher(self, inputs: MSDAInputs, backward: Backend) -> Launch:
+        op = library.forward_op()
+        name, config = self.name, tuning.kernel_config(self.name, "forward", inputs)
+        backward_name, backward_config = backward.name, tuning.kernel_config(backward.name, "backward", inputs)
+        shapes, starts = on_device(inputs.spatial_shapes, inputs.device), on_device(inputs.level_start_index, inputs.device)
+
+        def launch(value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
+            return op(
+                value, shapes(spatial_shapes), starts(level_start_index), sampling_locations, attention_weights,
+                name, config, backward_name, backward_config,
+            )
+
+        return launch

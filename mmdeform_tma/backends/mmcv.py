@@ -13,7 +13,7 @@ import functools
 import torch
 
 from ..inputs import MSDAInputs
-from .base import Backend
+from .base import Backend, Launch, on_device
 
 
 @functools.cache
@@ -118,12 +118,13 @@ class MMCVBackend(Backend):
             reasons.append("mmcv's op cannot take an empty batch, query, head or channel dimension")
         return reasons
 
-    def forward(self, inputs: MSDAInputs) -> torch.Tensor:
-        device = inputs.device
-        return mmcv_forward(
-            inputs.value.contiguous(),
-            inputs.spatial_shapes.to(device, non_blocking=True),
-            inputs.level_start_index.to(device, non_blocking=True),
-            inputs.sampling_locations.contiguous(),
-            inputs.attention_weights.contiguous(),
-        )
+    def launcher(self, inputs: MSDAInputs, backward: Backend) -> Launch:
+        shapes, starts = on_device(inputs.spatial_shapes, inputs.device), on_device(inputs.level_start_index, inputs.device)
+
+        def launch(value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
+            return mmcv_forward(
+                value.contiguous(), shapes(spatial_shapes), starts(level_start_index),
+                sampling_locations.contiguous(), attention_weights.contiguous(),
+            )
+
+        return launch

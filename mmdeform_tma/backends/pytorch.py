@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import torch
 
-from .. import library
+from .. import library  # noqa: F401  (defines the reference ops)
 from ..inputs import VALUE_DTYPES, MSDAInputs
-from .base import Backend
+from .base import Backend, Launch
 
 
 class PyTorchBackend(Backend):
@@ -22,7 +22,10 @@ class PyTorchBackend(Backend):
     def is_deterministic(self, inputs: MSDAInputs) -> bool:
         return inputs.device.type == "cpu"  # grid_sample's CUDA backward accumulates with atomics
 
-    def forward(self, inputs: MSDAInputs) -> torch.Tensor:
-        return library.reference_forward(
-            inputs.value, inputs.spatial_shapes, inputs.sampling_locations, inputs.attention_weights
-        )
+    def launcher(self, inputs: MSDAInputs, backward: Backend) -> Launch:
+        op = torch.ops.mmdeform_tma.reference_forward.default
+
+        def launch(value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
+            return op(value, spatial_shapes, sampling_locations, attention_weights)
+
+        return launch

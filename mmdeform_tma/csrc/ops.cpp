@@ -1,8 +1,9 @@
 // The operator schema of mmdeform_tma, and what the extension was built with.
 //
 // Implementations register beside their kernels:
-//   CUDA                 csrc/cuda/dispatch_cuda.cpp (routes to the cuda, tma and tma_ws kernels)
-//   CPU, fake, autograd  mmdeform_tma/library.py (the CPU kernel is the PyTorch reference)
+//   CUDA       csrc/cuda/dispatch_cuda.cpp (routes to the cuda, tma and tma_ws kernels)
+//   Autograd   csrc/autograd.cpp (C++, so a call's backward runs no Python)
+//   CPU, fake  mmdeform_tma/library.py (the CPU kernel is the PyTorch reference)
 #include <torch/extension.h>
 #include <torch/library.h>
 
@@ -24,9 +25,12 @@ TORCH_LIBRARY(mmdeform_tma, m) {
   m.set_python_module("mmdeform_tma.library");
   // `backend` names the kernel family ("cuda", "tma", "tma_ws" on CUDA; "pytorch" on CPU).
   // `config` indexes that family's kernel variants (kernel_configs); -1 lets the kernel choose.
+  // The forward carries its backward's choice (None: the forward's backend), decided with the
+  // forward's and per direction, so that autograd needs no lookup when the backward runs.
   m.def(
       "ms_deform_attn_forward(Tensor value, Tensor spatial_shapes, Tensor level_start_index, "
-      "Tensor sampling_locations, Tensor attention_weights, str backend, int config) -> Tensor");
+      "Tensor sampling_locations, Tensor attention_weights, str backend, int config, "
+      "str? backward_backend=None, int backward_config=-1) -> Tensor");
   m.def(
       "ms_deform_attn_backward(Tensor grad_output, Tensor value, Tensor spatial_shapes, "
       "Tensor level_start_index, Tensor sampling_locations, Tensor attention_weights, str backend, "

@@ -1,7 +1,10 @@
 // The CUDA kernels of the mmdeform_tma ops: checks the arguments once and routes by `backend`.
+// Inputs are made contiguous here (a no-op for contiguous ones), so callers need no copies.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
+
+#include <optional>
 
 #include "../common/launchers.h"
 
@@ -15,10 +18,13 @@ at::Tensor forward_cuda(
     const at::Tensor& sampling_locations,
     const at::Tensor& attention_weights,
     c10::string_view backend,
-    int64_t config) {
+    int64_t config,
+    std::optional<c10::string_view> /*backward_backend: autograd's (csrc/autograd.cpp)*/,
+    int64_t /*backward_config: autograd's*/) {
   const c10::cuda::CUDAGuard guard(value.device());
   const ProblemTensors problem = check_problem(
-      value, spatial_shapes, level_start_index, sampling_locations, attention_weights, "ms_deform_attn_forward");
+      value.contiguous(), spatial_shapes.contiguous(), level_start_index.contiguous(),
+      sampling_locations.contiguous(), attention_weights.contiguous(), "ms_deform_attn_forward");
   if (backend == "cuda") return portable::forward(problem, config);
   if (backend == "tma") return tma::forward(problem, config);
   if (backend == "tma_ws") return tma_ws::forward(problem, config);
@@ -37,7 +43,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cuda(
     bool deterministic) {
   const c10::cuda::CUDAGuard guard(value.device());
   const ProblemTensors problem = check_problem(
-      value, spatial_shapes, level_start_index, sampling_locations, attention_weights, "ms_deform_attn_backward");
+      value.contiguous(), spatial_shapes.contiguous(), level_start_index.contiguous(),
+      sampling_locations.contiguous(), attention_weights.contiguous(), "ms_deform_attn_backward");
   TORCH_CHECK(
       grad_output.scalar_type() == value.scalar_type() && grad_output.device() == value.device() &&
           grad_output.is_contiguous() &&

@@ -1,0 +1,141 @@
+"""Tuning tables: per-direction choices, the nearest-shape rule, GPUs without a table of their own."""
+
+import json
+
+import pytest
+import torch
+
+from mmdeform_tma import _extension, dispatch, tuning
+from mmdeform_tma.tuning import ShapeKey, distance
+
+GPU, CAPABILITY = "Test GPU", (9, 0)
+ALL = ("tma_ws", "tma", "cuda")
+
+
+def entry(key, backend, direction, *timed):
+    return {"key": key, "backend": backend, "direction": direction, "best": [{"config": c, "ms": ms} for c, ms in timed]}
+
+
+# A decoder-sized shape (w10) where tma_ws is fastest and an encoder-sized one (w16) where cuda is,
+# except in the encoder's backward, where tma_ws is.
+SYNTHETIC = [
+    entry("float16/h8/c32/l4/p4/w10", "tma_ws", "forward", ("ws_a", 0.020)),
+    entry("float16/h8/c32/l4/p4/w10", "cuda", "forward", ("cu_a", 0.025)),
+    entry("float16/h8/c32/l4/p4/w10", "tma_ws", "backward", ("ws_b", 0.070)),
+    entry("float16/h8/c32/l4/p4/w10", "cuda", "backward", ("cu_b", 0.086)),
+    entry("float16/h8/c32/l4/p4/w16", "tma_ws", "forward", ("ws_a", 0.43)),
+    entry("float16/h8/c32/l4/p4/w16", "cuda", "forward", ("cu_c", 0.21), ("cu_a", 0.22)),
+    entry("float16/h8/c32/l4/p4/w16", "tma_ws", "backward", ("ws_b", 1.0)),
+    entry("float16/h8/c32/l4/p4/w16", "cuda", "backward", ("cu_b", 1.05)),
+    entry("float32/h8/c32/l4/p4/w16", "tma", "forward", ("s2", 0.5)),
+]
+
+
+@pytest.fixture
+def table(tmp_path, monkeypatch):
+    """A synthetic table for GPU, the only one loaded."""
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps({"format": tuning.TABLE_FORMAT, "device": GPU, "capability": list(CAPABILITY), "entries": SYNTHETIC}))
+    monkeypatch.setattr(tuning, "TABLE_DIR", tmp_path / "none")
+    monkeypatch.setenv("MMDEFORM_TMA_TUNING_TABLE", str(path))
+    dispatch.clear_caches()
+    yield path
+    dispatch.clear_caches()
+
+
+def fastest(key, direction, candidates=ALL, gpu=GPU, capability=CAPABILITY):
+    return tuning._fastest(gpu, capability, key, direction, candidates)
+
+
+def test_shape_key_round_trips():
+    key = tuning.shape_key(torch.bfloat16, 8, 32, 4, 4, 40394)
+    assert key == "bfloat16/h8/c32/l4/p4/w16"
+    assert ShapeKey.parse(key) == ShapeKey("bfloat16", 8, 32, 4, 4, 16) and ShapeKey.parse(key).row_bytes == 64
+
+
+def test_a_measured_shape_decides_each_direction_by_its_own_times(table):
+    assert fastest("float16/h8/c32/l4/p4/w16", "forward") == "cuda"
+    assert fastest("float16/h8/c32/l4/p4/w16", "backward") == "tma_ws"
+    assert fastest("float16/h8/c32/l4/p4/w10", "forward") == "tma_ws"
+
+
+def test_only_candidates_are_chosen(table):
+    assert fastest("float16/h8/c32/l4/p4/w10", "forward", ("cuda",)) == "cuda"
+    # Nothing measured for tma at all in fp16: the nearest shape measuring a candidate is fp32's.
+    assert fastest("float16/h8/c32/l4/p4/w10", "forward", ("tma",)) == "tma"
+
+
+@pytest.mark.parametrize(
+    "key, expected",
+    [
+        ("float16/h8/c32/l4/p4/w11", "tma_ws"),  # one step from the decoder, five from the encoder
+        ("float16/h8/c32/l4/p4/w15", "cuda"),
+        ("float16/h8/c32/l4/p4/w13", "cuda"),  # a tie: the larger measured shape
+        ("float16/h8/c32/l5/p8/w17", "cuda"),  # more levels and points: still nearest the encoder
+        ("bfloat16/h8/c32/l4/p4/w16", "cuda"),  # another dtype of the same row bytes: fp16's times
+        ("float16/h4/c64/l4/p4/w9", "tma_ws"),  # other heads and channels: layout first, then size
+    ],
+)
+def test_an_unmeasured_shape_takes_the_nearest_measured_one(table, key, expected):
+    assert fastest(key, "forward") == expected
+
+
+def test_layout_differences_count_before_size():
+    target = ShapeKey.parse("float32/h8/c32/l4/p4/w16")
+    same_layout_far = distance(target, ShapeKey.parse("float32/h8/c32/l3/p2/w9"))
+    other_dtype_near = distance(target, ShapeKey.parse("float16/h8/c32/l4/p4/w16"))
+    assert same_layout_far < other_dtype_near
+    assert distance(target, ShapeKey.parse("float32/h8/c32/l4/p4/w17")) < distance(target, ShapeKey.parse("float32/h8/c32/l4/p4/w15"))
+
+
+def test_a_gpu_without_a_table_uses_its_architecture_s(table):
+    assert fastest("float16/h8/c32/l4/p4/w16", "forward", gpu="Other Hopper") == "cuda"
+    # No table of this architecture: the candidates' own order, the one case without measurements.
+    assert fastest("float16/h8/c32/l4/p4/w16", "forward", gpu="Ampere", capability=(8, 0)) == "tma_ws"
+    assert tuning.nearest_times("Ampere", (8, 0), "float16/h8/c32/l4/p4/w16", "forward", ALL) is None
+
+
+def test_kernel_configs_come_from_the_nearest_shape_of_the_same_layout(table, monkeypatch):
+    names = {("cuda", "forward"): ("cu_a", "cu_b", "cu_c"), ("tma_ws", "forward"): ("ws_a",)}
+    monkeypatch.setattr(_extension, "_kernel_configs", lambda backend, direction: names.get((backend, direction), ()))
+    best = lambda key, backend: tuning._best_config(GPU, CAPABILITY, key, backend, "forward")  # noqa: E731
+    assert best("float16/h8/c32/l4/p4/w16", "cuda") == 2  # cu_c, the measured best
+    assert best("float16/h8/c32/l4/p4/w14", "cuda") == 2  # the nearest shape's
+    assert best("float16/h8/c32/l4/p4/w11", "cuda") == 0  # the decoder's cu_a
+    assert best("float16/h8/c64/l4/p4/w16", "cuda") == -1  # no shape of this layout: the kernel's heuristic
+    assert best("bfloat16/h8/c32/l4/p4/w16", "cuda") == -1
+    assert best("float16/h8/c32/l4/p4/w16", "tma") == -1  # not measured
+
+
+def test_a_user_table_wins_on_equal_keys(table, tmp_path, monkeypatch):
+    package = tmp_path / "package"
+    package.mkdir()
+    (package / "gpu.json").write_text(json.dumps({"format": 1, "device": GPU, "entries": [entry("float16/h8/c32/l4/p4/w16", "tma_ws", "forward", ("ws_a", 0.01))]}))
+    monkeypatch.setattr(tuning, "TABLE_DIR", package)
+    tuning.clear_caches()
+    assert fastest("float16/h8/c32/l4/p4/w16", "forward") == "cuda"  # the user's table, read last
+    assert tuning.load_tables()[GPU].capability == CAPABILITY
+
+
+def test_the_package_tables_declare_their_gpus_capability():
+    tuning.clear_caches()
+    try:
+        tables = tuning.load_tables()
+        assert tables and all(table.capability for table in tables.values())
+        h100 = tuning.measurements("NVIDIA H100 80GB HBM3", (9, 0))
+        assert h100 and set(h100) <= set(tuning.measurements("A Hopper without a table", (9, 0)))
+    finally:
+        tuning.clear_caches()
+
+
+def test_a_wrong_table_format_is_refused(tmp_path, monkeypatch):
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps({"format": 0, "device": GPU, "entries": []}))
+    monkeypatch.setenv("MMDEFORM_TMA_TUNING_TABLE", str(path))
+    tuning.clear_caches()
+    try:
+        with pytest.raises(ValueError, match="tuning table format 0, expected 1"):
+            tuning.load_tables()
+    finally:
+        monkeypatch.delenv("MMDEFORM_TMA_TUNING_TABLE")
+        tuning.clear_caches()
