@@ -34,7 +34,8 @@ AUTO_PRIORITY: tuple[str, ...] = ("tma_ws", "tma", "cuda", "mmcv", "pytorch")
 BACKEND_CHOICES: tuple[str, ...] = ("auto", *BACKEND_NAMES)
 COMPILED_BACKENDS: tuple[str, ...] = tuple(n for n in AUTO_PRIORITY if isinstance(BACKENDS[n], CompiledKernelBackend))
 # Call signature -> what the call runs. Bounded: shapes that change every call (random image
-# sizes) must not grow it without end; the oldest plan goes first.
+# sizes) must not grow it without end. When full it starts again (thread-safe, unlike evicting
+# one entry while another thread inserts); the signatures in use are planned again once.
 PLANS: dict[tuple, Launch] = {}
 MAX_PLANS = 1024
 
@@ -138,7 +139,7 @@ def plan(backend, value, spatial_shapes, level_start_index, sampling_locations, 
         launch = _checking_geometry(launch, inputs.num_keys)  # strict mode checks device-resident geometry every call
     if key is not None:
         if len(PLANS) >= MAX_PLANS:
-            PLANS.pop(next(iter(PLANS)))
+            PLANS.clear()
         PLANS[key] = launch
     return launch
 

@@ -44,7 +44,8 @@ def multi_scale_deformable_attn(
     if torch.compiler.is_compiling():  # traced once; the graph holds the decisions
         return dispatch.plan(backend, *args)(*args)
     key = dispatch.signature(backend, *args)
-    launch = dispatch.PLANS.get(key)
-    if launch is None:
+    try:
+        launch = dispatch.PLANS[key]
+    except (KeyError, TypeError):  # a new signature, or arguments that planning will reject
         launch = dispatch.plan(backend, *args, key=key)
     return launch(*args)

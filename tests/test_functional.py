@@ -123,9 +123,14 @@ def test_plans_are_bounded(problem, plans, monkeypatch):
     monkeypatch.setattr(dispatch, "MAX_PLANS", 2)
     for queries in (3, 2, 1):
         call(problem, sampling_locations=problem.sampling_locations[:, :queries], attention_weights=problem.attention_weights[:, :queries])
-    assert len(dispatch.PLANS) == 2
-    call(problem)  # the oldest plan went first
-    assert len(plans) == 4
+    assert len(dispatch.PLANS) == 1  # full at the third: started again
+    call(problem)
+    assert len(plans) == 4 and len(dispatch.PLANS) == 2
+
+
+def test_an_unhashable_backend_name_gets_the_usual_error(problem):
+    with pytest.raises(ValueError, match=r"unknown backend \['cuda'\]; valid names: auto"):
+        call(problem, backend=["cuda"])
 
 
 def test_device_copies_of_cpu_geometry_are_made_once_per_device_and_values():

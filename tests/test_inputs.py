@@ -153,3 +153,14 @@ def test_value_checks_run_for_cpu_shapes_and_in_strict_mode(problem):
         with pytest.raises((NotImplementedError, RuntimeError)):  # meta tensors have no values to read
             validate(*meta_args)
     assert not mmdeform_tma.strict_validation()
+
+
+def test_cpu_shapes_are_checked_when_the_starts_live_on_the_device(problem):
+    """CPU spatial_shapes are read (no synchronisation); device-resident starts are not."""
+    on_meta = dict(value=problem.value.to("meta"), sampling_locations=problem.sampling_locations.to("meta"), attention_weights=problem.attention_weights.to("meta"))
+    starts = problem.level_start_index.to("meta")
+    validate(on_meta["value"], problem.spatial_shapes, starts, on_meta["sampling_locations"], on_meta["attention_weights"])
+    bad = problem.spatial_shapes.clone()
+    bad[0, 0] = 9
+    with pytest.raises(ValueError, match="cover 31 keys"):
+        validate(on_meta["value"], bad, starts, on_meta["sampling_locations"], on_meta["attention_weights"])

@@ -14,8 +14,9 @@ __all__ = ["Backend", "Launch", "clear_device_copies", "device_capability", "dev
 # (value, spatial_shapes, level_start_index, sampling_locations, attention_weights) -> output
 Launch = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 # Device copies of CPU level geometry, per (device, dtype, shape, values); few distinct ones exist.
+# Bounded like dispatch.PLANS; a plan keeps its own copies alive.
 _DEVICE_COPIES: dict[tuple, torch.Tensor] = {}
-MAX_DEVICE_COPIES = 256
+MAX_DEVICE_COPIES = 1024
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -32,7 +33,7 @@ def device_copy(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     copy = _DEVICE_COPIES.get(key)
     if copy is None:
         if len(_DEVICE_COPIES) >= MAX_DEVICE_COPIES:
-            _DEVICE_COPIES.pop(next(iter(_DEVICE_COPIES)))
+            _DEVICE_COPIES.clear()
         with torch.inference_mode(False):  # an inference tensor could not be saved for a later backward
             copy = torch.tensor(key[3], dtype=tensor.dtype).reshape(key[2]).to(device, non_blocking=True)
         _DEVICE_COPIES[key] = copy
