@@ -78,13 +78,26 @@ def make_problem(
     locality: str = "uniform",
 ) -> Problem:
     """Random inputs. `locality='uniform'` draws locations over [-spread, 1 + spread]; 'local'
-    places them at reference points + N(0, 2 px) per level, as Deformable DETR's encoder does.
+    places them at random reference points + N(0, 2 px) per level; 'encoder' is Deformable
+    DETR's encoder: one query per pixel of every level in raster order (queries must equal the
+    number of keys), its reference point the pixel's centre, + N(0, 2 px) per level.
     A fraction of the points is pushed outside the image and some land exactly on borders."""
     g = generator
     levels = len(shapes)
     num_keys = sum(h * w for h, w in shapes)
     value = torch.randn(batch, num_keys, heads, channels, generator=g, dtype=torch.float64)
-    if locality == "local":
+    if locality == "encoder":
+        if queries != num_keys:
+            raise ValueError(f"locality='encoder' needs one query per key ({num_keys}), got {queries}")
+        centres = []
+        for h, w in shapes:
+            ys, xs = torch.meshgrid(torch.arange(h, dtype=torch.float64), torch.arange(w, dtype=torch.float64), indexing="ij")
+            centres.append(torch.stack([(xs.flatten() + 0.5) / w, (ys.flatten() + 0.5) / h], -1))
+        ref = torch.cat(centres).view(1, num_keys, 1, 1, 1, 2)
+        wh = torch.tensor([[w, h] for h, w in shapes], dtype=torch.float64).view(1, 1, 1, levels, 1, 2)
+        offsets = torch.randn(batch, queries, heads, levels, points, 2, generator=g, dtype=torch.float64) * 2.0 / wh
+        loc = ref + offsets
+    elif locality == "local":
         ref = torch.rand(batch, queries, 1, 1, 1, 2, generator=g, dtype=torch.float64)
         wh = torch.tensor([[w, h] for h, w in shapes], dtype=torch.float64).view(1, 1, 1, levels, 1, 2)
         offsets = torch.randn(batch, queries, heads, levels, points, 2, generator=g, dtype=torch.float64) * 2.0 / wh

@@ -32,6 +32,20 @@ def test_gather_reference_matches_loop_reference(generator):
     assert rel_l2(gather_reference(*problem.args()), expected) < 1e-12
 
 
+def test_encoder_problems_sample_around_each_querys_own_pixel(generator):
+    shapes = [(4, 6), (2, 3)]
+    problem = make_problem(shapes, batch=1, queries=30, heads=2, channels=3, points=2, generator=generator,
+                           locality="encoder", outside_fraction=0.0)
+    expected = loop_reference(problem.value, problem.spatial_shapes, problem.sampling_locations, problem.attention_weights)
+    assert rel_l2(gather_reference(*problem.args()), expected) < 1e-12
+    # query 7 is pixel (1, 1) of the 4 x 6 level: its points lie within a few pixels of that centre
+    centre = torch.tensor([1.5 / 6, 1.5 / 4], dtype=torch.float64)
+    offsets_px = (problem.sampling_locations[0, 7, :, 0] - centre) * torch.tensor([6.0, 4.0], dtype=torch.float64)
+    assert offsets_px.abs().max() < 12  # N(0, 2 px): six standard deviations
+    with pytest.raises(ValueError, match="one query per key"):
+        make_problem(shapes, queries=29, locality="encoder", generator=generator)
+
+
 def test_points_outside_every_level_give_zero():
     problem = make_problem([(3, 3), (2, 2)], outside_fraction=0.0)
     far = torch.full_like(problem.sampling_locations, 7.5)

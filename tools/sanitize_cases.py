@@ -5,7 +5,9 @@
     compute-sanitizer --tool synccheck python tools/sanitize_cases.py
 
 Covers every dtype, the fast and the deterministic backward, partial tiles and points outside the
-levels. Prints one line per case; any error the tool finds is reported by compute-sanitizer itself.
+levels, and for tma_ws every compiled variant with TMA windows on an encoder problem (one query per
+pixel: pixel-block tiles, windows loaded) and a decoder one. Prints one line per case; any error the
+tool finds is reported by compute-sanitizer itself.
 """
 
 import argparse
@@ -17,6 +19,28 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import mmdeform_tma  # noqa: E402
 from msda_cases import make_problem  # noqa: E402
+from mmdeform_tma._extension import kernel_configs  # noqa: E402
+
+ops = torch.ops.mmdeform_tma
+
+
+def window_variants(dtype: torch.dtype) -> None:
+    """tma_ws's windowed variants, called through the ops with their config index."""
+    encoder = [(9, 13), (5, 7), (3, 4)]  # 165 keys = queries
+    for locality, queries in (("encoder", sum(h * w for h, w in encoder)), ("local", 40)):
+        g = torch.Generator().manual_seed(1)
+        problem = make_problem(encoder, batch=2, queries=queries, heads=2, channels=32, points=4, dtype=dtype,
+                               generator=g, locality=locality)
+        args = problem.to(device="cuda", dtype=dtype, coord_dtype=problem.sampling_locations.dtype).args()
+        grad = torch.randn(2, queries, 64, device="cuda", dtype=dtype)
+        for index, name in enumerate(kernel_configs("tma_ws", "forward")):
+            if "_w" not in name:
+                continue
+            ops.ms_deform_attn_forward(*args, "tma_ws", index)
+            for deterministic in (False, True):
+                ops.ms_deform_attn_backward(grad, *args, "tma_ws", index, deterministic)
+            torch.cuda.synchronize()
+            print(f"tma_ws  {str(dtype):15} {locality:8} {name}: ok")
 
 
 def main(argv=None) -> int:
@@ -36,6 +60,9 @@ def main(argv=None) -> int:
                 torch.cuda.synchronize()
                 print(f"{backend:7} {str(dtype):15} deterministic={deterministic}: ok")
     torch.use_deterministic_algorithms(False)
+    if "tma_ws" in args.backends:
+        for dtype in (torch.float16, torch.float32):
+            window_variants(dtype)
     return 0
 
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import mmdeform_tma
+from mmdeform_tma._extension import kernel_configs
 from mmdeform_tma.backends import BACKENDS
 from mmdeform_tma.inputs import validate
 from msda_cases import (
@@ -41,6 +42,10 @@ CASES = [
     ("c6_odd_levels", [(5, 7), (3, 1), (1, 9)], 2, 60, 3, 6, 3, "uniform"),
     ("c3_odd_channels", [(5, 4), (2, 3)], 2, 40, 2, 3, 2, "uniform"),
     ("seven_levels", [(6, 6), (5, 5), (4, 4), (3, 3), (2, 2), (1, 2), (1, 1)], 1, 50, 2, 32, 2, "uniform"),
+    # Encoder self-attention (one query per pixel): tma_ws tiles these in pixel blocks with windows.
+    ("encoder_4_levels", [(24, 36), (12, 18), (6, 9), (3, 5)], 2, 1149, 8, 32, 4, "encoder"),
+    ("encoder_c64_odd", [(17, 23), (9, 12), (5, 6)], 1, 529, 4, 64, 2, "encoder"),
+    ("encoder_c8_p8", [(20, 13), (10, 7)], 2, 330, 2, 8, 8, "encoder"),
 ]
 
 
@@ -271,3 +276,29 @@ def test_kernel_side_checks_raise_instead_of_crashing(backend):
     loc, attn = torch.rand(1, 3, 2, 1, 2, 2, device="cuda"), torch.rand(1, 3, 2, 1, 2, device="cuda")
     with pytest.raises(RuntimeError, match="channels must span 16, 32, 64, 128 or 256 bytes, got 128 x 4 B"):
         torch.ops.mmdeform_tma.ms_deform_attn_forward(value, shapes, starts, loc, attn, backend, -1)
+
+
+WINDOW_CASES = [CASES[0], CASES[9], CASES[10]]  # a decoder, and two encoders (pixel-block tiles)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("case", WINDOW_CASES, ids=lambda c: c[0])
+def test_every_tma_ws_config_against_float64(case, dtype):
+    """Each compiled tma_ws variant (tile size, stages, window budget or no window), forward and
+    backward through the ops directly, against float64: the autotuner may pick any of them."""
+    problem = cuda_problem(case, dtype, seed=13)
+    skip_unless_supported("tma_ws", validate(*problem.args()))
+    args = problem.args()
+    exact_inputs = [t.detach().double().requires_grad_() for t in (problem.value, problem.sampling_locations, problem.attention_weights)]
+    exact = gather_reference(exact_inputs[0], problem.spatial_shapes, problem.level_start_index, exact_inputs[1], exact_inputs[2])
+    grad_output = torch.randn(exact.shape, device="cuda", dtype=dtype)
+    exact_grads = torch.autograd.grad(exact, exact_inputs, grad_output.double())
+    geometry32 = float32_geometry_grads(problem, grad_output)
+    names = kernel_configs("tma_ws", "forward")
+    assert len(names) >= 8
+    for config, name in enumerate(names):
+        out = torch.ops.mmdeform_tma.ms_deform_attn_forward(*args, "tma_ws", config)
+        check(out, exact, f"{name} output")
+        grads = torch.ops.mmdeform_tma.ms_deform_attn_backward(grad_output, *args, "tma_ws", config, False)
+        for i, (what, got, want) in enumerate(zip(("grad_value", "grad_locations", "grad_weights"), grads, exact_grads)):
+            check(got, want, f"{name} {what}", geometry32[i] if i > 0 else None)

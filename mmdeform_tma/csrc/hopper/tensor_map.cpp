@@ -45,7 +45,7 @@ CUtensorMapDataType tma_dtype(at::ScalarType type) {
 
 }  // namespace
 
-CUtensorMap value_tensor_map(const at::Tensor& value) {
+CUtensorMap value_tensor_map(const at::Tensor& value, int box_keys) {
   const int64_t rows = value.size(0) * value.size(1), heads = value.size(2), channels = value.size(3);
   const int64_t element = value.element_size();
   TORCH_CHECK(reinterpret_cast<uintptr_t>(value.data_ptr()) % 16 == 0, "mmdeform_tma: value must be 16-byte aligned");
@@ -53,7 +53,7 @@ CUtensorMap value_tensor_map(const at::Tensor& value) {
   CUtensorMap map;
   const cuuint64_t dims[2] = {static_cast<cuuint64_t>(heads * channels), static_cast<cuuint64_t>(rows)};
   const cuuint64_t strides[1] = {static_cast<cuuint64_t>(heads * channels * element)};
-  const cuuint32_t box[2] = {static_cast<cuuint32_t>(channels), 2};
+  const cuuint32_t box[2] = {static_cast<cuuint32_t>(channels), static_cast<cuuint32_t>(box_keys)};
   const cuuint32_t element_strides[2] = {1, 1};
   const CUresult result = tensor_map_encoder()(
       &map, tma_dtype(value.scalar_type()), 2, value.data_ptr(), dims, strides, box, element_strides,

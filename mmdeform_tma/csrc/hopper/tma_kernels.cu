@@ -234,7 +234,7 @@ void launch(const ProblemTensors& problem, const Config& config, scalar_t* outpu
   const at::Tensor source = problem.batch * problem.num_keys > 0
                                 ? problem.value
                                 : at::zeros({1, 1, problem.heads, problem.channels}, problem.value.options());
-  const CUtensorMap map = hopper::value_tensor_map(source);
+  const CUtensorMap map = hopper::value_tensor_map(source, 2);
   kernel<<<static_cast<unsigned>(blocks), config.warps * 32, smem, current_stream()>>>(
       map, problem.problem<scalar_t>(), config.stages, output, grad_output, sink, grad_locations, grad_weights);
   C10_CUDA_KERNEL_LAUNCH_CHECK();

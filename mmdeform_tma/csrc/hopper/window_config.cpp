@@ -1,0 +1,156 @@
+#include "window_config.h"
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "../common/cuda_runtime_utils.h"
+#include "../common/kernel_catalog.h"
+
+namespace mmdeform_tma {
+namespace hopper {
+namespace window {
+namespace {
+
+constexpr int kMaxWindowSide = 32;
+constexpr int kMinWindowCols = 8;    // 8 cells x 16 bytes: the 128-byte TMA destination alignment
+
+int round128(int bytes) { return (bytes + 127) / 128 * 128; }
+
+int floor_pow2(int x) {
+  int p = 1;
+  while (p * 2 <= x) p *= 2;
+  return p;
+}
+
+int log2_exact(int x) {
+  int l = 0;
+  while ((1 << l) < x) ++l;
+  return l;
+}
+
+// The default, from the H100 measurements in docs/perf_notes.md: 4 consumer warps, 3 stages,
+// 64-query tiles in the forward and 32 in the backward; smaller tiles while the problem would give
+// fewer than four tiles per SM slot (decoder shapes), so that every SM is busy. No windows: on
+// every measured shape the L1 path was faster (a window replaces L1 hits at the cost of loading
+// it, and shared-memory integer reductions cost more than the global reductions they save).
+Config default_config(const ProblemTensors& problem, int team, bool backward) {
+  Config c{"auto", 4, backward ? 32 : 64, 3, 0};
+  const int min_slots = std::max(1, c.consumer_warps * 32 / team);
+  const int64_t target_tiles = 4LL * multiprocessor_count();
+  while (c.slots > min_slots &&
+         problem.batch * problem.heads * ((problem.queries + c.slots - 1) / c.slots) < target_tiles) {
+    c.slots /= 2;
+  }
+  return c;
+}
+
+LaunchShape shape_for(const ProblemTensors& problem, const Config& config, int chunk_bytes, int meta_size,
+                      int max_slots_per_team, bool backward, bool aggregate) {
+  LaunchShape s{};
+  const int element = static_cast<int>(problem.value.element_size());
+  const int acc_size = problem.value.scalar_type() == at::kDouble ? 8 : 4;
+  s.row_bytes = static_cast<int>(problem.channels) * element;
+  s.chunk_bytes = chunk_bytes;
+  s.team = s.row_bytes / chunk_bytes;
+  s.consumer_warps = config.consumer_warps;
+  const int teams = s.consumer_warps * 32 / s.team;
+  s.slots_per_team = std::clamp(config.slots / teams, 1, max_slots_per_team);
+  s.slots = teams * s.slots_per_team;
+  s.block_rows = 1 << (log2_exact(s.slots) / 2);
+  s.block_cols = s.slots / s.block_rows;
+  s.block_cols_log2 = log2_exact(s.block_cols);
+  s.pixel_tiles = problem.queries == problem.num_keys;
+  s.stages = config.stages;
+  s.meta_size = meta_size;
+  if (config.window_kbytes > 0) {
+    const int cells = config.window_kbytes * 1024 / s.row_bytes;
+    s.window_cols = std::clamp(floor_pow2(static_cast<int>(std::sqrt(static_cast<double>(cells)))), kMinWindowCols,
+                               kMaxWindowSide);
+    s.window_rows = std::clamp(cells / s.window_cols, 1, kMaxWindowSide);
+  } else {
+    s.window_cols = kMinWindowCols;  // still sizes the zero block
+    s.window_rows = 0;
+  }
+  s.window_bytes = round128(s.window_rows * s.window_cols * s.row_bytes);
+  s.meta_offset = s.window_bytes;
+  s.header_offset = s.meta_offset + round128(s.slots * static_cast<int>(problem.points) * meta_size);
+  s.stage_bytes = s.header_offset + 128;
+  s.zero_offset = s.stages * s.stage_bytes;
+  s.zero_bytes = round128((s.window_cols + 2) * s.row_bytes);
+  s.grad_offset = s.zero_offset + s.zero_bytes;
+  s.grad_bytes = backward && aggregate && s.window_rows > 0
+                     ? round128(s.window_rows * s.window_cols * static_cast<int>(problem.channels) * acc_size)
+                     : 0;
+  s.barrier_offset = s.grad_offset + s.grad_bytes;
+  s.total_bytes = s.barrier_offset + round128(2 * s.stages * 8) + 128;  // + alignment slack
+  return s;
+}
+
+}  // namespace
+
+const std::vector<Config>& configs() {
+  static const std::vector<Config> all = [] {
+    std::vector<Config> list;
+    for (int consumer_warps : {4, 2})
+      for (int slots : {64, 32, 16})
+        for (int stages : {3, 2})
+          for (int window_kbytes : {0, 16}) {
+            list.push_back({"c" + std::to_string(consumer_warps) + "_t" + std::to_string(slots) + "_s" +
+                                std::to_string(stages) + (window_kbytes ? "_w" + std::to_string(window_kbytes) : "_l1"),
+                            consumer_warps, slots, stages, window_kbytes});
+          }
+    return list;
+  }();
+  return all;
+}
+
+std::vector<std::string> config_names() {
+  std::vector<std::string> names;
+  for (const auto& c : configs()) names.push_back(c.name);
+  return names;
+}
+
+LaunchShape launch_shape(const ProblemTensors& problem, int64_t config, int chunk_bytes, int meta_size,
+                         int max_slots_per_team, bool backward, bool aggregate) {
+  const int row_bytes = static_cast<int>(problem.channels * problem.value.element_size());
+  const int limit = current_device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin);
+  if (config >= 0) {
+    TORCH_CHECK(config < static_cast<int64_t>(configs().size()), "mmdeform_tma tma_ws: config ", num(config),
+                " out of range");
+    const LaunchShape s = shape_for(problem, configs()[config], chunk_bytes, meta_size, max_slots_per_team, backward, aggregate);
+    TORCH_CHECK(s.total_bytes <= limit, "mmdeform_tma tma_ws: config ", configs()[config].name, " needs ",
+                num(s.total_bytes), " bytes of shared memory for ", num(problem.points), " points per level; the GPU allows ",
+                num(limit));
+    return s;
+  }
+  // Shrink the default until it fits: fewer stages, then smaller windows, then smaller tiles.
+  Config c = default_config(problem, row_bytes / chunk_bytes, backward);
+  for (;;) {
+    const LaunchShape s = shape_for(problem, c, chunk_bytes, meta_size, max_slots_per_team, backward, aggregate);
+    if (s.total_bytes <= limit) return s;
+    if (c.stages > 2) {
+      --c.stages;
+    } else if (c.window_kbytes > 4) {
+      c.window_kbytes /= 2;
+    } else if (s.slots_per_team > 1) {
+      c.slots = s.slots / 2;
+    } else if (c.consumer_warps > 1) {
+      c.consumer_warps /= 2;
+      c.slots = s.slots / 2;
+    } else {
+      TORCH_CHECK(false, "mmdeform_tma tma_ws: ", num(problem.points), " points per level need ", num(s.total_bytes),
+                  " bytes of shared memory even in the smallest tile; the GPU allows ", num(limit));
+    }
+  }
+}
+
+namespace {
+const KernelConfigRegistration kForward("tma_ws", "forward", config_names());
+const KernelConfigRegistration kBackward("tma_ws", "backward", config_names());
+}  // namespace
+
+}  // namespace window
+}  // namespace hopper
+}  // namespace mmdeform_tma

@@ -1,0 +1,72 @@
+// Host side of the window-tiled `tma_ws` kernels: the compiled variants ("configs"), the launch
+// geometry a config gives for a problem, and the shared-memory carve-up both roles agree on.
+//
+// A tile is `slots` queries of one (batch, head). Encoder self-attention (queries == keys, one
+// query per pixel in raster order) is tiled in 2-D pixel blocks of one level, so a tile's sampling
+// points cluster in every level; other problems are tiled in strips of consecutive queries. Each
+// stage is one (tile, level): the producer warp computes the points' geometry, sizes a window over
+// them and loads it with one TMA box per window row; the consumer warps interpolate (forward) or
+// scatter gradients (backward) from it. Points outside the window read global memory through L1.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <string>
+#include <vector>
+
+#include "../common/problem.h"
+
+namespace mmdeform_tma {
+namespace hopper {
+namespace window {
+
+// Queries a consumer team owns in a tile. The forward keeps each one's accumulators in registers
+// across the tile's levels (16 per lane at most); the backward reloads a query's output gradient
+// per stage, so its limit is only the tile size.
+constexpr int max_forward_slots_per_team(int lane_elements) { return lane_elements >= 16 ? 1 : 2; }
+constexpr int kMaxBackwardSlotsPerTeam = 4;
+
+struct Config {
+  std::string name;
+  int consumer_warps;
+  int slots;          // queries per tile (a power of two); fewer when the team is too wide for it
+  int stages;         // pipeline depth, in (tile, level) stages
+  int window_kbytes;  // value-window budget per stage; 0 turns windows off (every point via L1)
+};
+
+const std::vector<Config>& configs();
+std::vector<std::string> config_names();
+
+// What both roles need to agree on; computed on the host, passed by value.
+struct LaunchShape {
+  int row_bytes;       // one cell: a head's channels of one key
+  int chunk_bytes;     // bytes of a cell per lane: 16, or 8 in the half-precision backward
+  int team;            // lanes per query slot: row_bytes / chunk_bytes
+  int consumer_warps;
+  int slots_per_team;  // query slots each team owns in a tile
+  int slots;           // query slots per tile
+  int block_rows, block_cols;  // pixel-block tiles: block_rows x block_cols = slots
+  int block_cols_log2;
+  bool pixel_tiles;
+  int stages;
+  int window_cols, window_rows;  // cells; window_rows == 0: no windows
+  int meta_size;       // bytes of one point's metadata
+  // Shared memory, byte offsets from a 128-byte aligned base.
+  int stage_bytes;     // window + metadata + header of one stage
+  int window_bytes;    // of one stage
+  int meta_offset;     // within a stage
+  int header_offset;   // within a stage
+  int zero_offset, zero_bytes;  // zeros read in place of corners outside the level
+  int grad_offset, grad_bytes;  // fp32/fp64 value-gradient window (aggregating backward only)
+  int barrier_offset;
+  int total_bytes;
+};
+
+// The geometry `config` gives for this problem (-1: the default heuristic); throws with the reason
+// when it cannot fit an SM. `aggregate`: the backward sums value gradients in a shared window.
+LaunchShape launch_shape(const ProblemTensors& problem, int64_t config, int chunk_bytes, int meta_size,
+                         int max_slots_per_team, bool backward, bool aggregate);
+
+}  // namespace window
+}  // namespace hopper
+}  // namespace mmdeform_tma

@@ -1,0 +1,62 @@
+// Host side shared by the window kernels' launchers: occupancy (cached per kernel and launch
+// shape, so a call costs no driver query), the persistent grid, and the value tensor map.
+#pragma once
+
+#include <c10/cuda/CUDAException.h>
+
+#include <algorithm>
+#include <map>
+#include <mutex>
+#include <tuple>
+
+#include "../common/cuda_runtime_utils.h"
+#include "tensor_map.h"
+#include "window_config.h"
+
+namespace mmdeform_tma {
+namespace hopper {
+namespace window {
+
+// CTAs of `kernel` one SM holds with this launch shape, cached per (kernel, device, shape): the
+// first launch of a kernel on a device also raises its shared-memory limit to the device's.
+inline int blocks_per_multiprocessor(const void* kernel, const LaunchShape& s) {
+  static std::mutex mutex;
+  static std::map<std::tuple<const void*, int, int, int>, int> cache;  // kernel, device, threads, bytes
+  const int threads = 32 * (1 + s.consumer_warps);
+  int device = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  const std::lock_guard<std::mutex> lock(mutex);
+  const auto key = std::make_tuple(kernel, device, threads, s.total_bytes);
+  auto it = cache.find(key);
+  if (it != cache.end()) return it->second;
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      current_device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin)));
+  int blocks = 0;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads, s.total_bytes));
+  TORCH_CHECK(blocks > 0, "mmdeform_tma tma_ws: a CTA of ", num(threads), " threads and ", num(s.total_bytes),
+              " bytes of shared memory does not fit on an SM");
+  cache.emplace(key, blocks);
+  return blocks;
+}
+
+// Launches `kernel(map, problem, shape, args...)` on a persistent grid: as many CTAs as the SMs
+// hold, fewer for small problems (at most one per (batch, head, key): the tile count's bound).
+template <typename scalar_t, typename Kernel, typename... Args>
+void launch_persistent(Kernel kernel, const ProblemTensors& problem, const LaunchShape& s, Args... args) {
+  const int threads = 32 * (1 + s.consumer_warps);
+  const int64_t resident =
+      static_cast<int64_t>(blocks_per_multiprocessor(reinterpret_cast<const void*>(kernel), s)) * multiprocessor_count();
+  const int64_t bound = problem.batch * problem.heads * std::max<int64_t>(problem.queries, problem.num_keys);
+  const int64_t blocks = std::max<int64_t>(1, std::min(resident, bound));
+  const at::Tensor source = problem.batch * problem.num_keys > 0
+                                ? problem.value
+                                : at::zeros({1, 1, problem.heads, problem.channels}, problem.value.options());
+  const CUtensorMap map = value_tensor_map(source, s.window_cols);
+  kernel<<<static_cast<unsigned>(blocks), threads, s.total_bytes, current_stream()>>>(map, problem.problem<scalar_t>(), s,
+                                                                                       args...);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace window
+}  // namespace hopper
+}  // namespace mmdeform_tma
