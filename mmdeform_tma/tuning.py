@@ -8,9 +8,10 @@ the GPU's name and compute capability. Here:
   - `kernel_config` gives the `config` index of a backend's fastest variant (-1: the kernel's own
     heuristic).
 Both answer for shapes the table lacks from the nearest measured shape (`distance`), never from a
-fixed order. A GPU without a table of its own uses the tables of GPUs of its compute capability
-(an H200 reads the H100's); a fixed order remains only where nothing of its architecture was
-measured. `MMDEFORM_TMA_TUNING_TABLE=/path/table.json` adds a table of your own (it wins on equal
+fixed order. A measurement counts only through configs this build compiles: one whose configs
+are all gone was of kernels since replaced, and is ignored until the table is tuned again. A GPU
+without a table of its own uses the tables of GPUs of its compute capability (an H200 reads the
+H100's); a fixed order remains only where nothing of its architecture was measured. `MMDEFORM_TMA_TUNING_TABLE=/path/table.json` adds a table of your own (it wins on equal
 keys). Lookups are cached and `assume_constant_result`: torch.compile resolves them once while
 tracing; eager calls make them once per call signature (`mmdeform_tma.functional`).
 """
@@ -131,15 +132,26 @@ def measurements(device: str, capability: tuple[int, int]) -> Entries:
     return merged
 
 
+def compiled_ranking(ranked: list[tuple[str, float]], backend: str, direction: str) -> list[tuple[str, float]]:
+    """A measured ranking without the configs this build does not compile."""
+    names = kernel_configs(backend, direction)
+    return [(config, ms) for config, ms in ranked if config in names]
+
+
 @functools.cache
 def nearest_times(
     device: str, capability: tuple[int, int], key: str, direction: str, candidates: tuple[str, ...]
 ) -> tuple[str, dict[str, float]] | None:
-    """The nearest measured shape with a time for any candidate in `direction`, and those times."""
+    """The nearest measured shape with a time for any candidate in `direction`, and those times
+    (each backend's best config that this build compiles)."""
     target = ShapeKey.parse(key)
     best = None
     for measured_key, per_backend in measurements(device, capability).items():
-        times = {b: per_backend[b][direction][0][1] for b in candidates if per_backend.get(b, {}).get(direction)}
+        times = {}
+        for backend in candidates:
+            ranked = compiled_ranking(per_backend.get(backend, {}).get(direction) or [], backend, direction)
+            if ranked:
+                times[backend] = ranked[0][1]
         if times:
             rank = distance(target, ShapeKey.parse(measured_key))
             if best is None or rank < best[0]:
@@ -166,12 +178,13 @@ def fastest_backend(direction: str, inputs: MSDAInputs, candidates: tuple[str, .
 
 @functools.cache
 def ranked_configs(device: str, capability: tuple[int, int], key: str, backend: str, direction: str) -> tuple[str, ...]:
-    """Config names for this shape, best first: its own measurement, else the nearest measured shape
-    of the same layout (dtype, heads, channels), whose variants are valid for it; else none."""
+    """Compiled config names for this shape, best first: its own measurement, else the nearest
+    measured shape of the same layout (dtype, heads, channels), whose variants are valid for it;
+    else none."""
     target = ShapeKey.parse(key)
     best = None
     for measured_key, per_backend in measurements(device, capability).items():
-        ranked = per_backend.get(backend, {}).get(direction)
+        ranked = compiled_ranking(per_backend.get(backend, {}).get(direction) or [], backend, direction)
         measured = ShapeKey.parse(measured_key)
         same_layout = (measured.dtype, measured.heads, measured.channels) == (target.dtype, target.heads, target.channels)
         if ranked and same_layout:
@@ -183,11 +196,8 @@ def ranked_configs(device: str, capability: tuple[int, int], key: str, backend: 
 
 @torch.compiler.assume_constant_result
 def _best_config(device: str, capability: tuple[int, int], key: str, backend: str, direction: str) -> int:
-    names = kernel_configs(backend, direction)
-    for config_name in ranked_configs(device, capability, key, backend, direction):
-        if config_name in names:
-            return names.index(config_name)
-    return -1
+    ranked = ranked_configs(device, capability, key, backend, direction)
+    return kernel_configs(backend, direction).index(ranked[0]) if ranked else -1
 
 
 def kernel_config(backend: str, direction: str, inputs: MSDAInputs) -> int:

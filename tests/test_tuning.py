@@ -31,9 +31,19 @@ SYNTHETIC = [
 ]
 
 
+def compiled_names(entries):
+    """Every config the entries name, as if this build compiled them all."""
+    names = {}
+    for e in entries:
+        names.setdefault((e["backend"], e["direction"]), {}).update(dict.fromkeys(c["config"] for c in e["best"]))
+    return {k: tuple(v) for k, v in names.items()}
+
+
 @pytest.fixture
 def table(tmp_path, monkeypatch):
-    """A synthetic table for GPU, the only one loaded."""
+    """A synthetic table for GPU, the only one loaded; the build compiles every config it names."""
+    names = compiled_names(SYNTHETIC)
+    monkeypatch.setattr(_extension, "_kernel_configs", lambda backend, direction: names.get((backend, direction), ()))
     path = tmp_path / "table.json"
     path.write_text(json.dumps({"format": tuning.TABLE_FORMAT, "device": GPU, "capability": list(CAPABILITY), "entries": SYNTHETIC}))
     monkeypatch.setattr(tuning, "TABLE_DIR", tmp_path / "none")
@@ -80,6 +90,20 @@ def test_an_unmeasured_shape_takes_the_nearest_measured_one(table, key, expected
     assert fastest(key, "forward") == expected
 
 
+def test_measurements_of_kernels_this_build_lacks_are_ignored(table, monkeypatch):
+    """A kernel rewrite renames its configs: the old times say nothing about the new kernels."""
+    names = compiled_names(SYNTHETIC)
+    names[("tma_ws", "forward")] = ("new_window_config",)
+    monkeypatch.setattr(_extension, "_kernel_configs", lambda backend, direction: names.get((backend, direction), ()))
+    tuning.clear_caches()
+    assert fastest("float16/h8/c32/l4/p4/w10", "forward") == "cuda"
+    assert fastest("float16/h8/c32/l4/p4/w10", "backward") == "tma_ws"  # its backward configs are still built
+    assert tuning._best_config(GPU, CAPABILITY, "float16/h8/c32/l4/p4/w10", "tma_ws", "forward") == -1
+    monkeypatch.setattr(_extension, "_kernel_configs", lambda backend, direction: ())
+    tuning.clear_caches()
+    assert fastest("float16/h8/c32/l4/p4/w16", "forward") == "tma_ws"  # nothing valid measured: the candidates' order
+
+
 def test_layout_differences_count_before_size():
     target = ShapeKey.parse("float32/h8/c32/l4/p4/w16")
     same_layout_far = distance(target, ShapeKey.parse("float32/h8/c32/l3/p2/w9"))
@@ -98,6 +122,7 @@ def test_a_gpu_without_a_table_uses_its_architecture_s(table):
 def test_kernel_configs_come_from_the_nearest_shape_of_the_same_layout(table, monkeypatch):
     names = {("cuda", "forward"): ("cu_a", "cu_b", "cu_c"), ("tma_ws", "forward"): ("ws_a",)}
     monkeypatch.setattr(_extension, "_kernel_configs", lambda backend, direction: names.get((backend, direction), ()))
+    tuning.clear_caches()
     best = lambda key, backend: tuning._best_config(GPU, CAPABILITY, key, backend, "forward")  # noqa: E731
     assert best("float16/h8/c32/l4/p4/w16", "cuda") == 2  # cu_c, the measured best
     assert best("float16/h8/c32/l4/p4/w14", "cuda") == 2  # the nearest shape's
