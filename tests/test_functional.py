@@ -190,6 +190,15 @@ class TestNoHostSync:
             assert out.device == CUDA and out.shape == (2, 7, 64) and out.dtype == torch.float16
         assert len(dispatch.PLANS) == 1
 
+    @pytest.mark.parametrize("backend", ["auto", "cuda", "tma_ws"])
+    def test_planning_a_training_call(self, generator, backend):
+        """With a backward to choose too; the launch itself is left out (see fake_gpu)."""
+        p = self.gpu_problem(generator)
+        with cuda_like():
+            value, shapes, starts, loc, attn = on_cuda(*p.args())
+            launch = dispatch.plan(backend, value.requires_grad_(), shapes, starts, loc.requires_grad_(), attn)
+        assert callable(launch)
+
     def test_it_fails_on_a_planted_sync(self, generator, monkeypatch):
         p = self.gpu_problem(generator)
         validate_ = dispatch.validate

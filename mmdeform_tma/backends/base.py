@@ -101,6 +101,7 @@ class Backend:
     def launcher(self, inputs: MSDAInputs, backward: Backend) -> Launch:
         """The call this backend makes for inputs of this signature, with everything that follows
         from metadata bound (kernel configs, device copies of CPU level geometry); `backward` is
-        the backend whose backward the call's autograd runs. Its result is differentiable, of shape
+        the backend whose backward the call's autograd runs (another compiled backend or itself;
+        `mmcv` and `pytorch` always run their own). Its result is differentiable, of shape
         (bs, queries, heads * channels). It is cached per signature, so it must hold no input tensor."""
         raise NotImplementedError
