@@ -61,20 +61,18 @@ int grid_for(int64_t n) {
 
 }  // namespace
 
-ValueGradient::ValueGradient(const ProblemTensors& problem, const at::Tensor& grad_output, bool deterministic,
-                             bool atomic_bounds)
+ValueGradient::ValueGradient(const ProblemTensors& problem, const at::Tensor& grad_output, bool deterministic)
     : value_(problem.value), deterministic_(deterministic) {
   const auto acc_dtype = problem.value.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  if (deterministic) {
-    const int64_t numel = problem.value.numel();
-    buffer_ = at::zeros(problem.value.sizes(), problem.value.options().dtype(at::kLong));
-    flags_ = at::zeros({(numel + 3) / 4}, problem.value.options().dtype(at::kInt));
-    contributions_per_element_ = problem.queries * problem.points;
-  } else {
+  if (!deterministic) {
     buffer_ = at::zeros(problem.value.sizes(), problem.value.options().dtype(acc_dtype));
-    if (!atomic_bounds) return;
+    return;
   }
+  const int64_t numel = problem.value.numel();
+  buffer_ = at::zeros(problem.value.sizes(), problem.value.options().dtype(at::kLong));
+  flags_ = at::zeros({(numel + 3) / 4}, problem.value.options().dtype(at::kInt));
   bounds_ = at::zeros({2}, problem.value.options().dtype(at::kInt));
+  contributions_per_element_ = problem.queries * problem.points;
   const auto stream = current_stream();
   MMDEFORM_TMA_DISPATCH_VALUE_TYPES(problem.value.scalar_type(), "fixed-point bounds", [&] {
     using coord_t = coord_type<scalar_t>;

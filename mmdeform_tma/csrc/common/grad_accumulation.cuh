@@ -63,18 +63,9 @@ __device__ __forceinline__ void atomic_add_vec(double* dst, const double (&v)[N]
   for (int i = 0; i < N; ++i) atomicAdd(dst + i, v[i]);
 }
 
-// Finite maxima of |attention_weights| and |grad_output| as float bit patterns (monotonic for >= 0).
-struct FixedPointBounds {
-  unsigned int max_abs_weight_bits;
-  unsigned int max_abs_grad_bits;
-};
-
 template <typename acc_t>
 struct AtomicSink {
   acc_t* __restrict__ grad;  // [batch, num_keys, heads, channels]
-  // The finite maxima of |attention| and |grad_output|, for kernels that first sum a tile's
-  // contributions in shared-memory integers (tma_ws); null when not requested.
-  const FixedPointBounds* __restrict__ bounds;
 
   __device__ __forceinline__ void prepare() {}
 
@@ -85,6 +76,12 @@ struct AtomicSink {
 };
 
 enum NonFiniteFlag : uint32_t { kNaN = 1u, kPosInf = 2u, kNegInf = 4u };
+
+// Finite maxima of |attention_weights| and |grad_output| as float bit patterns (monotonic for >= 0).
+struct FixedPointBounds {
+  unsigned int max_abs_weight_bits;
+  unsigned int max_abs_grad_bits;
+};
 
 __device__ __forceinline__ double fixed_point_scale(const FixedPointBounds* bounds, int64_t contributions_per_element) {
   const double a = static_cast<double>(__uint_as_float(bounds->max_abs_weight_bits));
@@ -125,15 +122,11 @@ class ValueGradient {
  public:
   // `deterministic` picks the fixed-point sink; otherwise fp32 atomics, straight into the result
   // when value is fp32/fp64 and into an fp32 buffer (cast at the end) for fp16/bf16.
-  // `atomic_bounds`: the atomic sink also carries the bounds (one more small pass).
-  ValueGradient(const ProblemTensors& problem, const at::Tensor& grad_output, bool deterministic,
-                bool atomic_bounds = false);
+  ValueGradient(const ProblemTensors& problem, const at::Tensor& grad_output, bool deterministic);
 
   template <typename scalar_t>
   AtomicSink<acc_type<scalar_t>> atomic_sink() const {
-    return AtomicSink<acc_type<scalar_t>>{
-        buffer_.data_ptr<acc_type<scalar_t>>(),
-        bounds_.defined() ? reinterpret_cast<const FixedPointBounds*>(bounds_.data_ptr<int32_t>()) : nullptr};
+    return AtomicSink<acc_type<scalar_t>>{buffer_.data_ptr<acc_type<scalar_t>>()};
   }
   template <typename scalar_t>
   FixedPointSink<acc_type<scalar_t>> fixed_point_sink() const {
@@ -153,7 +146,7 @@ class ValueGradient {
   at::Tensor value_;
   at::Tensor buffer_;  // fp32/fp64 accumulator, or int64 fixed point
   at::Tensor flags_;   // non-finite flags (fixed point only)
-  at::Tensor bounds_;  // FixedPointBounds (fixed point, or when asked for)
+  at::Tensor bounds_;  // FixedPointBounds (fixed point only)
   int64_t contributions_per_element_ = 0;
   bool deterministic_;
 };
@@ -167,11 +160,11 @@ using ScalarOf = std::remove_const_t<std::remove_pointer_t<Pointer>>;
 
 template <typename Launch>
 Gradients run_backward(const ProblemTensors& problem, const at::Tensor& grad_output, bool deterministic,
-                       const char* what, Launch&& launch, bool atomic_bounds = false) {
+                       const char* what, Launch&& launch) {
   const auto coordinate_grads = coordinate_gradients(problem);
   const at::Tensor& grad_locations = coordinate_grads.first;
   const at::Tensor& grad_weights = coordinate_grads.second;
-  ValueGradient grad_value(problem, grad_output, deterministic, atomic_bounds);
+  ValueGradient grad_value(problem, grad_output, deterministic);
   if (problem.empty_output() || problem.levels == 0 || problem.points == 0) {
     grad_locations.zero_();
     grad_weights.zero_();

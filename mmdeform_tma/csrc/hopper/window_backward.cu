@@ -1,17 +1,12 @@
 // `tma_ws` backward: the window pipeline's consumers scatter each point's value-gradient
-// contributions and reduce its location and attention gradients.
+// contributions (vector reductions into global memory) and reduce its location and attention
+// gradients; window points read their corners from shared memory.
 //
-// For fp16 / bf16 values, the contributions of window points are first summed per tile in a
-// shared-memory window of 32-bit fixed-point integers; after the stage the consumers flush it, one
-// 16-byte fp32 vector reduction per non-zero chunk, and clear it. A window cell hit by several
-// corners of a tile then costs one global reduction instead of one per corner. Integers, because
-// sm_90 has no native shared-memory float addition (ptxas emits a compare-and-swap loop, measured
-// 8x slower than the direct global reductions); their quantum is tiles' worst case, slots x points
-// x max|attention| x max|grad_output| / 2^30, about 1e-6 of the largest contribution: far below
-// half-precision rounding, but not below fp32's, so fp32 / fp64 values (and the deterministic
-// fixed-point sink, whose exact sums must not depend on tiles) reduce every contribution directly.
-#include <type_traits>
-
+// Summing a tile's contributions in a shared-memory window first, to reduce fewer times into L2,
+// was measured and lost on every shape (docs/perf_notes.md): sm_90 has no native shared-memory
+// float addition (ptxas emits a compare-and-swap loop), and native 32-bit integer reductions on
+// fixed-point values still cost more per element than the global vector reductions they saved.
+#include "../common/grad_accumulation.cuh"
 #include "../common/launchers.h"
 #include "backward_chunk.h"
 #include "window_launch.cuh"
@@ -36,50 +31,8 @@ __device__ __forceinline__ void poison_coordinate_gradients(const Problem<scalar
   }
 }
 
-__device__ __forceinline__ void shared_add(uint32_t address, int v) {
-  asm volatile("red.shared.add.s32 [%0], %1;" ::"r"(address), "r"(v) : "memory");
-}
-
-// 2^30 / (contributions a window cell can receive in a stage x the largest finite contribution):
-// a cell's sum never leaves the int32 range.
-__device__ __forceinline__ float window_scale(const FixedPointBounds* bounds, int contributions_per_cell) {
-  const double bound = static_cast<double>(contributions_per_cell) * __uint_as_float(bounds->max_abs_weight_bits) *
-                       __uint_as_float(bounds->max_abs_grad_bits);
-  return bound > 0.0 ? static_cast<float>(1073741824.0 / bound) : 1.0f;
-}
-
-// Adds the stage's fixed-point gradient window to global memory and clears it (consumer threads).
-__device__ __forceinline__ void flush_gradient_window(char* grad_window, const StageWindow& w, const LaunchShape& s,
-                                                      int channels, int64_t key_stride, int64_t head_offset,
-                                                      float inv_scale, float* __restrict__ grad) {
-  const int chunks_log2 = __ffs(channels / 4) - 1;  // 4 integers per chunk; channels / 4 is a power of two
-  const int cols_log2 = __ffs(s.window_cols) - 1;
-  const int total = (w.rows * s.window_cols) << chunks_log2;
-  const uint32_t base = smem_address(grad_window);
-  for (int i = threadIdx.x - 32; i < total; i += s.consumer_warps * 32) {
-    const int cell = i >> chunks_log2, part = i & ((1 << chunks_log2) - 1);
-    const int row = cell >> cols_log2, col = cell & (s.window_cols - 1);
-    if (col >= w.cols) continue;  // past the level's right edge: never written
-    int4 sum;
-    asm volatile("ld.shared.v4.s32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(sum.x), "=r"(sum.y), "=r"(sum.z), "=r"(sum.w)
-                 : "r"(base + 16 * i));
-    if ((sum.x | sum.y | sum.z | sum.w) == 0) continue;  // untouched, or summed to exactly zero
-    const int64_t key = static_cast<int64_t>(w.key0) + static_cast<int64_t>(row) * w.width + col;
-    red_add_f32x4(grad + key * key_stride + head_offset + part * 4, sum.x * inv_scale, sum.y * inv_scale,
-                  sum.z * inv_scale, sum.w * inv_scale);
-    asm volatile("st.shared.v4.s32 [%0], {%1, %1, %1, %1};" ::"r"(base + 16 * i), "r"(0) : "memory");
-  }
-}
-
-// Whether a kernel sums window contributions in shared memory (see the top of this file).
-template <typename scalar_t, typename Sink>
-constexpr bool aggregates() {
-  return sizeof(scalar_t) == 2 && std::is_same_v<Sink, AtomicSink<acc_type<scalar_t>>>;
-}
-
 template <typename scalar_t, int kChunkBytes, typename Sink>
-__global__ void __launch_bounds__(kMaxThreads, min_blocks_per_multiprocessor<scalar_t, sizeof(scalar_t) == 2 && kChunkBytes == 16>())
+__global__ void __launch_bounds__(kMaxThreads, min_blocks_per_multiprocessor<scalar_t>())
     backward_kernel(
     const __grid_constant__ CUtensorMap value_map, const __grid_constant__ Problem<scalar_t> p,
     const __grid_constant__ LaunchShape s,
@@ -89,7 +42,6 @@ __global__ void __launch_bounds__(kMaxThreads, min_blocks_per_multiprocessor<sca
   using coord_t = coord_type<scalar_t>;
   using acc_t = acc_type<scalar_t>;
   constexpr int VEC = kChunkBytes / static_cast<int>(sizeof(scalar_t));
-  constexpr bool kAggregate = aggregates<scalar_t, Sink>();
   extern __shared__ __align__(128) char dynamic_smem[];
 
   if (!level_geometry_ok(p.spatial_shapes, p.level_start, p.levels, p.num_keys)) {
@@ -110,12 +62,7 @@ __global__ void __launch_bounds__(kMaxThreads, min_blocks_per_multiprocessor<sca
   const unsigned mask = team_mask(s.team);
   const int64_t key_stride = static_cast<int64_t>(p.heads) * p.channels;
   const uint32_t zeros = smem_address(ring.zeros());
-  const uint32_t grad_window = smem_address(ring.grad_window());
   const int points = p.levels * p.points;
-  float scale = 1.0f;
-  if constexpr (kAggregate) {
-    if (s.grad_bytes > 0) scale = window_scale(sink.bounds, s.slots * p.points);
-  }
 
   StageCursor at{static_cast<int>(blockIdx.x), 0, 0, 0u};
   Tile t{};
@@ -147,7 +94,6 @@ __global__ void __launch_bounds__(kMaxThreads, min_blocks_per_multiprocessor<sca
           }
           continue;
         }
-        const bool in_window = kAggregate && w.rows > 0 && m.cell >= 0;
         acc_t dot[4];
         const auto corners =
             load_point<scalar_t, VEC>(m, w.rows > 0, window, zeros, s, cl, lane_value, key_stride, row_stride);
@@ -160,22 +106,8 @@ __global__ void __launch_bounds__(kMaxThreads, min_blocks_per_multiprocessor<sca
           acc_t contribution[VEC];
 #pragma unroll
           for (int k = 0; k < VEC; ++k) contribution[k] = weight * go[k];
-          if (in_window) {
-            const int cell = m.cell + (c & 1) + ((c & 2) ? s.window_cols : 0);
-            const uint32_t at_cell = grad_window + static_cast<uint32_t>((cell * p.channels + cl.lane * VEC) * 4);
-            const int64_t key = static_cast<int64_t>(m.key) + (c & 1) + ((c & 2) ? w.width : 0);
-#pragma unroll
-            for (int k = 0; k < VEC; ++k) {
-              if (isfinite(contribution[k])) {
-                shared_add(at_cell + 4 * k, __float2int_rn(contribution[k] * scale));
-              } else {  // NaN / Inf cannot be fixed point: straight to global memory, as IEEE adds it
-                atomicAdd(sink.grad + key * key_stride + head_offset + k, contribution[k]);
-              }
-            }
-          } else {
-            const int64_t key = static_cast<int64_t>(m.key) + (c & 1) + ((c & 2) ? w.width : 0);
-            sink.add(key * key_stride + head_offset, contribution);
-          }
+          const int64_t key = static_cast<int64_t>(m.key) + (c & 1) + ((c & 2) ? w.width : 0);
+          sink.add(key * key_stride + head_offset, contribution);
         });
         const acc_t ly = m.ly, lx = m.lx, hy = acc_t(1) - ly, hx = acc_t(1) - lx;
         acc_t grad_a = hy * hx * dot[kTopLeft] + hy * lx * dot[kTopRight] + ly * hx * dot[kBottomLeft] +
@@ -193,14 +125,6 @@ __global__ void __launch_bounds__(kMaxThreads, min_blocks_per_multiprocessor<sca
       }
     }
     mbarrier_arrive(ring.empty(at.stage));
-    if constexpr (kAggregate) {
-      if (w.rows > 0) {
-        consumer_barrier(s);  // every contribution of the stage is in the window
-        flush_gradient_window(ring.grad_window(), w, s, p.channels, key_stride, static_cast<int64_t>(t.head) * p.channels,
-                              1.0f / scale, sink.grad);
-        consumer_barrier(s);  // cleared before the next stage adds to it
-      }
-    }
     at.advance(p.levels, s.stages);
   }
 #else
@@ -216,9 +140,7 @@ Gradients backward(const ProblemTensors& problem, const at::Tensor& grad_output,
   const int element = static_cast<int>(problem.value.element_size());
   const int chunk_bytes = hopper::backward_chunk_bytes(static_cast<int>(problem.channels), element);
   const int meta_size = static_cast<int>(element == 8 ? sizeof(WindowPoint<double>) : sizeof(WindowPoint<float>));
-  const bool aggregate = element == 2 && !deterministic;
-  const LaunchShape s =
-      launch_shape(problem, config, chunk_bytes, meta_size, kMaxBackwardSlotsPerTeam, true, aggregate);
+  const LaunchShape s = launch_shape(problem, config, chunk_bytes, meta_size, kMaxBackwardSlotsPerTeam, true);
   return run_backward(
       problem, grad_output, deterministic, "mmdeform_tma tma_ws backward",
       [&](auto sink, const auto* go, auto* grad_locations, auto* grad_weights) {
@@ -227,8 +149,7 @@ Gradients backward(const ProblemTensors& problem, const at::Tensor& grad_output,
           launch_persistent<scalar_t>(backward_kernel<scalar_t, decltype(chunk)::value, decltype(sink)>, problem, s, go,
                                       sink, grad_locations, grad_weights);
         });
-      },
-      /*atomic_bounds=*/s.grad_bytes > 0);
+      });
 }
 
 }  // namespace tma_ws

@@ -32,11 +32,12 @@ int log2_exact(int x) {
 
 // The default, from the H100 measurements in docs/perf_notes.md: 4 consumer warps, 3 stages,
 // 64-query tiles in the forward and 32 in the backward; smaller tiles while the problem would give
-// fewer than four tiles per SM slot (decoder shapes), so that every SM is busy. No windows: on
-// every measured shape the L1 path was faster (a window replaces L1 hits at the cost of loading
-// it, and shared-memory integer reductions cost more than the global reductions they save).
+// fewer than four tiles per SM slot (decoder shapes), so that every SM is busy. Windows in the
+// backward of pixel-block tiles only: there they beat L1 by 4-8 %; in the forward, and for strips
+// of unordered queries, loading a window cost more than the L1 hits it replaces.
 Config default_config(const ProblemTensors& problem, int team, bool backward) {
-  Config c{"auto", 4, backward ? 32 : 64, 3, 0};
+  const bool pixel_tiles = problem.queries == problem.num_keys;
+  Config c{"auto", 4, backward ? 32 : 64, 3, backward && pixel_tiles ? 16 : 0};
   const int min_slots = std::max(1, c.consumer_warps * 32 / team);
   const int64_t target_tiles = 4LL * multiprocessor_count();
   while (c.slots > min_slots &&
@@ -47,10 +48,9 @@ Config default_config(const ProblemTensors& problem, int team, bool backward) {
 }
 
 LaunchShape shape_for(const ProblemTensors& problem, const Config& config, int chunk_bytes, int meta_size,
-                      int max_slots_per_team, bool backward, bool aggregate) {
+                      int max_slots_per_team) {
   LaunchShape s{};
   const int element = static_cast<int>(problem.value.element_size());
-  const int acc_size = problem.value.scalar_type() == at::kDouble ? 8 : 4;
   s.row_bytes = static_cast<int>(problem.channels) * element;
   s.chunk_bytes = chunk_bytes;
   s.team = s.row_bytes / chunk_bytes;
@@ -79,11 +79,7 @@ LaunchShape shape_for(const ProblemTensors& problem, const Config& config, int c
   s.stage_bytes = s.header_offset + 128;
   s.zero_offset = s.stages * s.stage_bytes;
   s.zero_bytes = round128((s.window_cols + 2) * s.row_bytes);
-  s.grad_offset = s.zero_offset + s.zero_bytes;
-  s.grad_bytes = backward && aggregate && s.window_rows > 0
-                     ? round128(s.window_rows * s.window_cols * static_cast<int>(problem.channels) * acc_size)
-                     : 0;
-  s.barrier_offset = s.grad_offset + s.grad_bytes;
+  s.barrier_offset = s.zero_offset + s.zero_bytes;
   s.total_bytes = s.barrier_offset + round128(2 * s.stages * 8) + 128;  // + alignment slack
   return s;
 }
@@ -113,13 +109,13 @@ std::vector<std::string> config_names() {
 }
 
 LaunchShape launch_shape(const ProblemTensors& problem, int64_t config, int chunk_bytes, int meta_size,
-                         int max_slots_per_team, bool backward, bool aggregate) {
+                         int max_slots_per_team, bool backward) {
   const int row_bytes = static_cast<int>(problem.channels * problem.value.element_size());
   const int limit = current_device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin);
   if (config >= 0) {
     TORCH_CHECK(config < static_cast<int64_t>(configs().size()), "mmdeform_tma tma_ws: config ", num(config),
                 " out of range");
-    const LaunchShape s = shape_for(problem, configs()[config], chunk_bytes, meta_size, max_slots_per_team, backward, aggregate);
+    const LaunchShape s = shape_for(problem, configs()[config], chunk_bytes, meta_size, max_slots_per_team);
     TORCH_CHECK(s.total_bytes <= limit, "mmdeform_tma tma_ws: config ", configs()[config].name, " needs ",
                 num(s.total_bytes), " bytes of shared memory for ", num(problem.points), " points per level; the GPU allows ",
                 num(limit));
@@ -128,7 +124,7 @@ LaunchShape launch_shape(const ProblemTensors& problem, int64_t config, int chun
   // Shrink the default until it fits: fewer stages, then smaller windows, then smaller tiles.
   Config c = default_config(problem, row_bytes / chunk_bytes, backward);
   for (;;) {
-    const LaunchShape s = shape_for(problem, c, chunk_bytes, meta_size, max_slots_per_team, backward, aggregate);
+    const LaunchShape s = shape_for(problem, c, chunk_bytes, meta_size, max_slots_per_team);
     if (s.total_bytes <= limit) return s;
     if (c.stages > 2) {
       --c.stages;

@@ -57,15 +57,14 @@ struct LaunchShape {
   int meta_offset;     // within a stage
   int header_offset;   // within a stage
   int zero_offset, zero_bytes;  // zeros read in place of corners outside the level
-  int grad_offset, grad_bytes;  // fp32/fp64 value-gradient window (aggregating backward only)
   int barrier_offset;
   int total_bytes;
 };
 
 // The geometry `config` gives for this problem (-1: the default heuristic); throws with the reason
-// when it cannot fit an SM. `aggregate`: the backward sums value gradients in a shared window.
+// when it cannot fit an SM.
 LaunchShape launch_shape(const ProblemTensors& problem, int64_t config, int chunk_bytes, int meta_size,
-                         int max_slots_per_team, bool backward, bool aggregate);
+                         int max_slots_per_team, bool backward);
 
 }  // namespace window
 }  // namespace hopper

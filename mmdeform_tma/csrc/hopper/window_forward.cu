@@ -22,7 +22,7 @@ __device__ __forceinline__ void poison_outputs(const Problem<scalar_t>& p, scala
 }
 
 template <typename scalar_t>
-__global__ void __launch_bounds__(kMaxThreads, min_blocks_per_multiprocessor<scalar_t, false>()) forward_kernel(
+__global__ void __launch_bounds__(kMaxThreads, min_blocks_per_multiprocessor<scalar_t>()) forward_kernel(
     const __grid_constant__ CUtensorMap value_map, const __grid_constant__ Problem<scalar_t> p,
     const __grid_constant__ LaunchShape s,
     scalar_t* __restrict__ output) {
@@ -114,7 +114,7 @@ at::Tensor forward(const ProblemTensors& problem, int64_t config) {
   MMDEFORM_TMA_DISPATCH_VALUE_TYPES(problem.value.scalar_type(), "mmdeform_tma tma_ws forward", [&] {
     constexpr int kVec = 16 / static_cast<int>(sizeof(scalar_t));
     const LaunchShape s = launch_shape(problem, config, 16, sizeof(WindowPoint<coord_type<scalar_t>>),
-                                       max_forward_slots_per_team(kVec), false, false);
+                                       max_forward_slots_per_team(kVec), false);
     launch_persistent<scalar_t>(forward_kernel<scalar_t>, problem, s, reinterpret_cast<scalar_t*>(output.data_ptr()));
   });
   return output;

@@ -23,7 +23,6 @@
 #include <type_traits>
 
 #include "../common/device_utils.cuh"
-#include "../common/grad_accumulation.cuh"
 #include "tma_primitives.cuh"
 #include "window_config.h"
 
@@ -34,11 +33,10 @@ namespace window {
 constexpr int kMaxConsumerWarps = 4;
 constexpr int kMaxThreads = 32 * (1 + kMaxConsumerWarps);
 // Stated so that ptxas budgets registers for it (up to 136 each at 3 CTAs) instead of capping them
-// lower by its own occupancy guess, which spilled. `kWide`: the kernel needs more (16-byte lanes
-// of the half-precision backward), as does fp64 (gradcheck).
-template <typename scalar_t, bool kWide>
+// lower by its own occupancy guess, which spilled; fp64 (gradcheck) gets a CTA's whole budget.
+template <typename scalar_t>
 constexpr int min_blocks_per_multiprocessor() {
-  return sizeof(scalar_t) == 8 ? 1 : (kWide ? 2 : 3);
+  return sizeof(scalar_t) == 8 ? 1 : 3;
 }
 
 // One sampling point as the producer leaves it for the consumers.
@@ -156,7 +154,6 @@ struct Ring {
     return reinterpret_cast<StageWindow*>(base + stage * s->stage_bytes + s->header_offset);
   }
   __device__ __forceinline__ char* zeros() const { return base + s->zero_offset; }
-  __device__ __forceinline__ char* grad_window() const { return base + s->grad_offset; }
   __device__ __forceinline__ uint64_t* full(int stage) const {
     return reinterpret_cast<uint64_t*>(base + s->barrier_offset) + stage;
   }
@@ -166,11 +163,6 @@ struct Ring {
 };
 
 #if MMDEFORM_TMA_HOPPER_DEVICE
-
-// Consumer warps only: a named barrier (id 1) that the producer warp never joins.
-__device__ __forceinline__ void consumer_barrier(const LaunchShape& s) {
-  asm volatile("bar.sync 1, %0;" ::"r"(s.consumer_warps * 32) : "memory");
-}
 
 // Barriers and zeros, before the roles split.
 template <typename coord_t>
@@ -185,8 +177,8 @@ __device__ __forceinline__ void init_ring(const Ring<coord_t>& ring, const CUten
     }
     fence_mbarrier_init();
   }
-  for (int i = threadIdx.x * 16; i < s.zero_bytes + s.grad_bytes; i += blockDim.x * 16) {
-    *reinterpret_cast<uint4*>(ring.zeros() + i) = make_uint4(0, 0, 0, 0);  // grad window follows the zeros
+  for (int i = threadIdx.x * 16; i < s.zero_bytes; i += blockDim.x * 16) {
+    *reinterpret_cast<uint4*>(ring.zeros() + i) = make_uint4(0, 0, 0, 0);
   }
   __syncthreads();  // the last CTA-wide barrier: the roles never wait for each other's exit
 }
