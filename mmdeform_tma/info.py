@@ -56,7 +56,11 @@ def report(device: torch.device, dtypes: list[torch.dtype]) -> str:
             lines.append(f"    {name:<8} {status:<12} {backend.summary}")
             lines.extend(f"             - {reason}" for reason in reasons)
     lines.append("")
-    lines.append(f"'auto' tries, in order: {', '.join(AUTO_PRIORITY)} (a tuning table for the GPU can reorder the compiled ones)")
+    lines.append(
+        "'auto' picks the forward and the backward backend separately: the fastest that can run in the "
+        "tuning table of this GPU (or of its compute capability), from the nearest measured shape; "
+        f"without one, the first that can run of: {', '.join(AUTO_PRIORITY)}"
+    )
     return "\n".join(lines)
 
 

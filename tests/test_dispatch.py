@@ -137,3 +137,11 @@ class TestAutoOnAGpu:
             inputs = validate(*on_cuda(*p.args()))
             with pytest.raises(mmdeform_tma.BackendUnavailableError, match="backend 'tma_ws' cannot run .*\n  - a head's channels"):
                 dispatch.select("tma_ws", inputs)
+
+
+def test_info_report_says_how_auto_chooses():
+    from mmdeform_tma.info import report
+
+    text = report(torch.device("cpu"), [torch.float32])
+    assert "'auto' picks the forward and the backward backend separately" in text
+    assert "pytorch" in text and "available" in text
