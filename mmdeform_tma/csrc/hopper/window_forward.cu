@@ -39,9 +39,13 @@ __global__ void __launch_bounds__(kMaxThreads, min_blocks_per_multiprocessor<sca
     return;
   }
   const Ring<coord_t> ring{dynamic_smem, &s};
-  int groups = 0;
-  const int num_tiles = start_pipeline(p, ring, &value_map, groups);
-  if (num_tiles < 0) return;  // the producer warp, done
+  const int groups = tile_groups(p, s);
+  const int num_tiles = p.num_items / (p.queries * p.heads) * groups * p.heads;
+  init_ring(ring, &value_map);
+  if (threadIdx.x < 32) {
+    run_producer(p, ring, &value_map, groups, num_tiles);
+    return;
+  }
 
   const ConsumerLane cl = consumer_lane(s);
   const int64_t key_stride = static_cast<int64_t>(p.heads) * p.channels;

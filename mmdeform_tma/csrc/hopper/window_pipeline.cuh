@@ -319,21 +319,6 @@ __device__ __forceinline__ void run_producer(
   }
 }
 
-// What the kernels do before their consumers' loop: count the tiles, set up the ring, and run the
-// producer warp's whole life. Returns the tile count to consumer threads and -1 to the producer.
-template <typename scalar_t>
-__device__ __forceinline__ int start_pipeline(const Problem<scalar_t>& p, const Ring<coord_type<scalar_t>>& ring,
-                                              const CUtensorMap* map, int& groups) {
-  groups = tile_groups(p, *ring.s);
-  const int num_tiles = p.num_items / (p.queries * p.heads) * groups * p.heads;
-  init_ring(ring, map);
-  if (threadIdx.x < 32) {
-    run_producer(p, ring, map, groups, num_tiles);
-    return -1;
-  }
-  return num_tiles;
-}
-
 // A lane's view of the consumers: which team it is in and which bytes of a cell it moves.
 struct ConsumerLane {
   int team;        // team index among all consumer teams of the CTA
