@@ -3,13 +3,15 @@
     python tools/benchmark_e2e.py                                   # synthetic Deformable DETR, bs 2, 800x1216
     python tools/benchmark_e2e.py --config configs/synthetic/dino-4scale_r50_synthetic_tma-ws.py
     python tools/benchmark_e2e.py --device cpu                      # tiny config, reference backend
+    python tools/benchmark_e2e.py --backends stock auto --fast-backends auto --precisions amp-fp16 --repeats 3
 
 For each backend ('stock' is mmcv's own, unpatched MultiScaleDeformableAttention.forward) and
 precision (fp32, amp-fp16, amp-bf16) it reports the training iteration time (forward, backward and
 optimizer step, synchronised), inference ms/batch and images/s, peak memory, and the loss over N
 steps from the same seed and batches, compared with mmcv's. Inputs are synthetic batches (random
 boxes on random images) pushed through the model's own data preprocessor. Writes JSON, Markdown
-and a PNG chart.
+and a PNG chart. `--fast-backends` adds rows on the fast training path (tools/train.py --fast);
+`--repeats` runs every variant that many times, the rounds interleaved, and reports the spread.
 
 What bounds a training iteration, from a torch.profiler trace of a few iterations (CPU and CUDA
 activity; each iteration in a record_function range): the GPU kernel time (sum of kernel
@@ -25,6 +27,7 @@ from __future__ import annotations
 import argparse
 import copy
 import re
+import statistics
 import sys
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -51,8 +54,10 @@ DEFAULT_CONFIG = {
 }
 
 
-def build_model(config_path: str, backend: str, device: torch.device, seed: int):
-    """The detector from its config, every MSDA module switched to `backend` (None: mmcv's own)."""
+def build_model(config_path: str, backend: str, device: torch.device, seed: int, fast: dict | None = None):
+    """The detector from its config, every MSDA module switched to `backend` (None: mmcv's own).
+    With `fast` (`mode` and torch.compile arguments) the config is switched to the fast training
+    path first (fast_training.fast_training_config) and the transformer layers are compiled."""
     from mmengine.config import Config
     from mmengine.registry import init_default_scope
     from mmcv.ops import MultiScaleDeformableAttention
@@ -61,6 +66,10 @@ def build_model(config_path: str, backend: str, device: torch.device, seed: int)
 
     cfg = Config.fromfile(config_path)
     init_default_scope(cfg.get("default_scope", "mmdet"))
+    if fast is not None:
+        from mmdeform_tma.integrations import fast_training
+
+        fast_training.fast_training_config(cfg, compile_mode=fast["mode"])
     model_cfg = copy.deepcopy(cfg.model)
     model_cfg.backbone.init_cfg = None  # offline, and the same random init for every backend
     torch.manual_seed(seed)
@@ -69,7 +78,10 @@ def build_model(config_path: str, backend: str, device: torch.device, seed: int)
     for module in model.modules():
         if isinstance(module, MultiScaleDeformableAttention):
             module.backend = None if backend == "stock" else backend
-    return model.to(device), cfg
+    model = model.to(device)
+    if fast is not None:
+        fast_training.compile_transformer_layers(model, **fast)
+    return model, cfg
 
 
 def synthetic_batch(batch: int, height: int, width: int, num_classes: int, device: torch.device, seed: int) -> dict:
@@ -179,6 +191,8 @@ def profile_iterations(step, iters: int, device: torch.device) -> dict:
 class Result:
     backend: str
     precision: str
+    fast: bool = False  # the fast training path (tools/train.py --fast)
+    repeat: int = 0  # which round of the interleaved runs
     train_ms: dict = field(default_factory=dict)
     infer_ms: dict = field(default_factory=dict)
     images_per_s: float | None = None
@@ -197,10 +211,15 @@ class Result:
     max_loss_rel_diff_vs_mmcv: float | None = None
     error: str | None = None
 
+    @property
+    def label(self) -> str:
+        return f"{self.backend}+fast" if self.fast else self.backend
 
-def run_one(args, backend: str, precision: str, device: torch.device) -> Result:
-    result = Result(backend, precision)
-    model, cfg = build_model(args.config, backend, device, args.seed)
+
+def run_one(args, backend: str, precision: str, device: torch.device, fast: bool = False, repeat: int = 0) -> Result:
+    result = Result(backend, precision, fast, repeat)
+    fast_options = dict(mode=args.compile_mode, **({"backend": args.compile_backend} if args.compile_backend else {}))
+    model, cfg = build_model(args.config, backend, device, args.seed, fast_options if fast else None)
     num_classes = cfg.model.bbox_head.num_classes
     batches = [synthetic_batch(args.batch, args.height, args.width, num_classes, device, args.seed + i) for i in range(args.parity_steps)]
     optim_wrapper = make_optim_wrapper(model, cfg, precision)
@@ -247,12 +266,19 @@ def parse_args(argv=None):
     p.add_argument("--config", default=None, help="mmdet config (default: synthetic Deformable DETR; tiny on CPU)")
     p.add_argument("--device", default=None)
     p.add_argument("--backends", nargs="*", help="default: stock plus every available backend")
+    p.add_argument(
+        "--fast-backends", nargs="*", default=None,
+        help="backends also run on the fast training path (default on a GPU: auto; none on the CPU)",
+    )
+    p.add_argument("--compile-mode", default=None, help="torch.compile mode of the fast path's transformer layers")
+    p.add_argument("--compile-backend", default=None, help=argparse.SUPPRESS)  # tests trace with aot_eager on the CPU
     p.add_argument("--precisions", nargs="*", choices=list(PRECISIONS), default=None)
     p.add_argument("--batch", type=int, default=None)
     p.add_argument("--image-size", default=None, help="HxW (default 800x1216 on GPU, 128x128 on CPU)")
     p.add_argument("--iters", type=int, default=None)
     p.add_argument("--warmup", type=int, default=None)
     p.add_argument("--parity-steps", type=int, default=None)
+    p.add_argument("--repeats", type=int, default=1, help="rounds of all runs, interleaved; the table gives the spread")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("bench_results/e2e"))
     args = p.parse_args(argv)
@@ -260,6 +286,11 @@ def parse_args(argv=None):
     gpu = args.device.type == "cuda"
     args.config = args.config or DEFAULT_CONFIG[args.device.type]
     args.precisions = args.precisions or (list(PRECISIONS) if gpu else ["fp32"])
+    args.fast_backends = args.fast_backends if args.fast_backends is not None else (["auto"] if gpu else [])
+    if args.compile_mode is None:
+        from mmdeform_tma.integrations.fast_training import DEFAULT_COMPILE_MODE
+
+        args.compile_mode = DEFAULT_COMPILE_MODE
     args.batch = args.batch or (2 if gpu else 1)
     args.height, args.width = (int(x) for x in (args.image_size or ("800x1216" if gpu else "128x128")).split("x"))
     args.iters = args.iters or (20 if gpu else 2)
@@ -275,19 +306,25 @@ def main(argv=None) -> int:
         print(f"no GPU: running {args.config} on the CPU with the reference backend", file=sys.stderr)
     backends = args.backends or (["stock", *mmdeform_tma.available_backends(device)])
     env = bench_common.environment(device)
-    env.update(config=args.config, batch=args.batch, image_size=f"{args.height}x{args.width}")
+    env.update(
+        config=args.config, batch=args.batch, image_size=f"{args.height}x{args.width}",
+        compile_mode=args.compile_mode, repeats=args.repeats,
+    )
     results: list[Result] = []
-    jobs = [(b, p) for b in backends for p in args.precisions]
-    for backend, precision in bench_common.progress(jobs, len(jobs), "e2e"):
+    variants = [(b, False) for b in backends] + [(b, True) for b in args.fast_backends]
+    # round-robin: each round runs every variant once, so drift of the machine hits all alike
+    jobs = [(r, b, f, p) for r in range(args.repeats) for b, f in variants for p in args.precisions]
+    for repeat, backend, fast, precision in bench_common.progress(jobs, len(jobs), "e2e"):
         try:
-            results.append(run_one(args, backend, precision, device))
-        except (mmdeform_tma.BackendUnavailableError, RuntimeError) as exc:
-            results.append(Result(backend, precision, error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"))
+            results.append(run_one(args, backend, precision, device, fast, repeat))
+        except (mmdeform_tma.BackendUnavailableError, RuntimeError, ValueError) as exc:
+            message = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+            results.append(Result(backend, precision, fast, repeat, error=message))
         if device.type == "cuda":
             torch.cuda.empty_cache()  # the last model is gone with run_one's frame
     for r in results:
-        base = next((b for b in results if b.backend == "stock" and b.precision == r.precision and b.losses), None)
-        base = base or next((b for b in results if b.backend == "mmcv" and b.precision == r.precision and b.losses), None)
+        base = next((b for b in results if b.label == "stock" and b.precision == r.precision and b.losses), None)
+        base = base or next((b for b in results if b.label == "mmcv" and b.precision == r.precision and b.losses), None)
         if base and r.losses:
             r.max_loss_rel_diff_vs_mmcv = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(r.losses, base.losses))
     write_outputs(args.out, env, results)
@@ -300,23 +337,67 @@ def fmt(x, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
 
+def median_or_none(values):
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def summarize_runs(results: list[Result]) -> list[dict]:
+    """One row per (variant, precision): medians over the repeats, the spread of the training and
+    inference times, and their ratios to stock mmcv's of the same precision."""
+    keys = list(dict.fromkeys((r.label, r.precision) for r in results))
+    rows = []
+    for label, precision in keys:
+        runs = [r for r in results if (r.label, r.precision) == (label, precision)]
+        good = [r for r in runs if not r.error]
+        if not good:
+            rows.append(dict(label=label, precision=precision, error=runs[0].error))
+            continue
+        train = [r.train_ms["median_ms"] for r in good]
+        infer = [r.infer_ms["median_ms"] for r in good]
+        row = dict(
+            label=label, precision=precision, error=None, runs=len(good),
+            train_ms=statistics.median(train), train_min=min(train), train_max=max(train),
+            train_p90=median_or_none([r.train_ms["p90_ms"] for r in good]),
+            infer_ms=statistics.median(infer), infer_min=min(infer), infer_max=max(infer),
+            images_per_s=median_or_none([r.images_per_s for r in good]),
+        )
+        for key in (
+            "gpu_kernel_ms", "gpu_over_wall_pct", "kernel_launches", "host_syncs", "scalar_reads",
+            "peak_memory_mb", "msda_share_pct", "max_loss_rel_diff_vs_mmcv",
+        ):
+            row[key] = median_or_none([getattr(r, key) for r in good])
+        row["bound"] = None if row["gpu_over_wall_pct"] is None else (
+            "GPU" if row["gpu_over_wall_pct"] >= 100 * BOUND_THRESHOLD else "host"
+        )
+        rows.append(row)
+    for row in rows:
+        stock = next((s for s in rows if s["label"] == "stock" and s["precision"] == row["precision"] and not s["error"]), None)
+        ok = stock is not None and not row["error"]
+        row["train_vs_stock"] = row["train_ms"] / stock["train_ms"] if ok else None
+        row["infer_vs_stock"] = row["infer_ms"] / stock["infer_ms"] if ok else None
+    return rows
+
+
 def table(results: list[Result]) -> tuple[list[str], list[list[object]]]:
     header = [
-        "backend", "precision", "train ms/iter", "p90", "GPU kernel ms/iter", "GPU/wall %", "bound", "launches/iter",
-        "syncs/iter", "scalar reads/iter", "infer ms/batch", "images/s", "peak MB", "MSDA %", "loss diff vs mmcv",
+        "variant", "precision", "train ms/iter", "spread", "vs stock", "GPU kernel ms/iter", "GPU/wall %", "bound",
+        "launches/iter", "syncs/iter", "scalar reads/iter", "infer ms/batch", "infer vs stock", "images/s", "peak MB",
+        "MSDA %", "loss diff vs mmcv",
     ]
     rows = []
-    for r in results:
-        if r.error:
-            rows.append([r.backend, r.precision, r.error[:70], *[""] * (len(header) - 3)])
+    for r in summarize_runs(results):
+        if r["error"]:
+            rows.append([r["label"], r["precision"], r["error"][:70], *[""] * (len(header) - 3)])
             continue
         rows.append(
             [
-                r.backend, r.precision, fmt(r.train_ms["median_ms"], ".1f"), fmt(r.train_ms["p90_ms"], ".1f"),
-                fmt(r.gpu_kernel_ms, ".1f"), fmt(r.gpu_over_wall_pct, ".0f"), r.bound or "-",
-                fmt(r.kernel_launches, ".0f"), fmt(r.host_syncs, ".0f"), fmt(r.scalar_reads, ".0f"), fmt(r.infer_ms["median_ms"], ".1f"),
-                fmt(r.images_per_s, ".1f"), fmt(r.peak_memory_mb, ".0f"), fmt(r.msda_share_pct, ".0f"),
-                fmt(r.max_loss_rel_diff_vs_mmcv, ".1e"),
+                r["label"], r["precision"], fmt(r["train_ms"], ".1f"), f"{r['train_min']:.1f}-{r['train_max']:.1f}",
+                fmt(r["train_vs_stock"], ".2f"), fmt(r["gpu_kernel_ms"], ".1f"), fmt(r["gpu_over_wall_pct"], ".0f"),
+                r["bound"] or "-", fmt(r["kernel_launches"], ".0f"), fmt(r["host_syncs"], ".0f"),
+                fmt(r["scalar_reads"], ".0f"), fmt(r["infer_ms"], ".1f"), fmt(r["infer_vs_stock"], ".2f"),
+                fmt(r["images_per_s"], ".1f"), fmt(r["peak_memory_mb"], ".0f"), fmt(r["msda_share_pct"], ".0f"),
+                fmt(r["max_loss_rel_diff_vs_mmcv"], ".1e"),
             ]
         )
     return header, rows
@@ -337,8 +418,14 @@ def write_outputs(prefix: Path, env: dict, results: list[Result]) -> None:
                 f"{env['config']}, batch {env['batch']}, {env['image_size']} images; date {env['date']}, commit {env['commit']}, "
                 f"torch {env['torch']}, mmcv {env.get('mmcv')}, mmdet {env.get('mmdet')}.",
                 "",
-                "'stock' is mmcv's own MultiScaleDeformableAttention; 'loss diff' is the largest relative difference of the "
-                "training loss over the first steps (same seed and batches) against it.",
+                "'stock' is mmcv's own MultiScaleDeformableAttention; '+fast' the fast training path (tools/train.py "
+                f"--fast: transformer layers compiled with mode {env.get('compile_mode')!r}, fused optimizer, image-size "
+                "buckets). 'loss diff' is the largest relative difference of the training loss over the first steps "
+                "(same seed and batches) against stock.",
+                "",
+                f"Each variant ran {env.get('repeats', 1)} time(s), the rounds interleaved; times are the median over the "
+                "runs of each run's median, 'spread' the smallest and largest run, 'vs stock' the ratio to stock's "
+                "median of the same precision.",
                 "",
                 "Per training iteration, from a profiler trace of a few iterations: 'GPU kernel ms' is the sum of "
                 "kernel durations, 'launches' the cudaLaunch*/cuLaunch* calls, 'syncs' the host waits "
@@ -361,20 +448,21 @@ def plot(path: Path, env: dict, results: list[Result]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    good = [r for r in results if not r.error]
+    good = [r for r in summarize_runs(results) if not r["error"]]
     if not good:
         return
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
-    labels = [f"{r.backend}\n{r.precision}" for r in good]
+    labels = [f"{r['label']}\n{r['precision']}" for r in good]
     positions = range(len(good))
-    wall, gpu = [r.train_ms["median_ms"] for r in good], [r.gpu_kernel_ms or 0.0 for r in good]
-    axes[0].bar([x - 0.2 for x in positions], wall, 0.4, color="tab:blue", label="wall")
+    wall, gpu = [r["train_ms"] for r in good], [r["gpu_kernel_ms"] or 0.0 for r in good]
+    spread = [[r["train_ms"] - r["train_min"] for r in good], [r["train_max"] - r["train_ms"] for r in good]]
+    axes[0].bar([x - 0.2 for x in positions], wall, 0.4, yerr=spread, color="tab:blue", label="wall (spread)")
     axes[0].bar([x + 0.2 for x in positions], gpu, 0.4, color="tab:green", label="GPU kernels")
     axes[0].set_xticks(list(positions))
     axes[0].set_xticklabels(labels)
     axes[0].set_ylabel("train ms / iteration")
     axes[0].legend(fontsize=7, title="a gap = host-bound", title_fontsize=7)
-    axes[1].bar(labels, [r.infer_ms["median_ms"] for r in good], color="tab:orange")
+    axes[1].bar(labels, [r["infer_ms"] for r in good], color="tab:orange")
     axes[1].set_ylabel("inference ms / batch")
     for ax in axes:
         ax.tick_params(axis="x", labelsize=7)

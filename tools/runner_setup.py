@@ -47,3 +47,33 @@ def parse_launcher_args(parser, argv=None):
 
 def build_runner(cfg: Config):
     return Runner.from_cfg(cfg) if "runner_type" not in cfg else RUNNERS.build(cfg)
+
+
+def add_fast_args(parser) -> None:
+    parser.add_argument(
+        "--fast",
+        action="store_true",
+        help="the fast path: compiled transformer layers, fused optimizer, image-size buckets "
+        "(mmdeform_tma/integrations/fast_training.py)",
+    )
+    parser.add_argument(
+        "--compile-mode",
+        default=None,
+        help="with --fast: torch.compile mode of the transformer layers "
+        "(default, reduce-overhead = with CUDA graphs, max-autotune-no-cudagraphs)",
+    )
+    parser.add_argument("--bucket-step", type=int, default=None, help="with --fast: pad images to multiples of this")
+
+
+def apply_fast_args(cfg: Config, args) -> None:
+    if not args.fast:
+        if args.compile_mode is not None or args.bucket_step is not None:
+            raise SystemExit("--compile-mode and --bucket-step go with --fast")
+        return
+    from mmdeform_tma.integrations import fast_training
+
+    fast_training.fast_training_config(
+        cfg,
+        compile_mode=args.compile_mode or fast_training.DEFAULT_COMPILE_MODE,
+        bucket_step=args.bucket_step or fast_training.DEFAULT_BUCKET_STEP,
+    )

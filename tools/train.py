@@ -5,6 +5,8 @@
     MMDEFORM_TMA_BACKEND=cuda python tools/train.py CONFIG      # one kernel for every MSDA module
 
 `--amp` takes fp16 (the default when given bare) or bf16. Multi-GPU: tools/dist_train.sh.
+`--fast` switches on the fast training path (mmdeform_tma/integrations/fast_training.py): compiled
+transformer layers, the fused optimizer and image-size buckets.
 """
 
 import argparse
@@ -12,7 +14,15 @@ import argparse
 from mmengine.config import Config, DictAction
 
 import mmdeform_tma  # noqa: F401  (MultiScaleDeformableAttention takes backend=; honours MMDEFORM_TMA_BACKEND)
-from runner_setup import add_launcher_args, allow_mmengine_checkpoints, build_runner, load_config, parse_launcher_args
+from runner_setup import (
+    add_fast_args,
+    add_launcher_args,
+    allow_mmengine_checkpoints,
+    apply_fast_args,
+    build_runner,
+    load_config,
+    parse_launcher_args,
+)
 
 
 def parse_args(argv=None):
@@ -26,6 +36,7 @@ def parse_args(argv=None):
         choices=["fp16", "bf16"],
         help="automatic mixed precision; bare --amp means fp16",
     )
+    add_fast_args(parser)
     parser.add_argument("--auto-scale-lr", action="store_true", help="enable automatically scaling LR")
     parser.add_argument(
         "--resume",
@@ -50,6 +61,7 @@ def build_config(args) -> Config:
         cfg.optim_wrapper.type = "AmpOptimWrapper"
         cfg.optim_wrapper.loss_scale = "dynamic"
         cfg.optim_wrapper.dtype = {"fp16": "float16", "bf16": "bfloat16"}[args.amp]
+    apply_fast_args(cfg, args)
     if args.auto_scale_lr:
         if "auto_scale_lr" in cfg and "base_batch_size" in cfg.auto_scale_lr:
             cfg.auto_scale_lr.enable = True

@@ -83,6 +83,50 @@ def test_benchmark_e2e_cpu_smoke(tmp_path):
     assert (tmp_path / "e2e.png").exists() and "| backend |" in markdown and "GPU/wall %" in markdown
 
 
+def test_benchmark_e2e_fast_rows_and_interleaved_repeats(tmp_path):
+    pytest.importorskip("mmdet")
+    import benchmark_e2e
+
+    argv = [
+        "--device", "cpu", "--backends", "stock", "--fast-backends", "pytorch", "--compile-backend", "aot_eager",
+        "--repeats", "2", "--iters", "2", "--out", str(tmp_path / "e2e"),
+    ]
+    assert benchmark_e2e.main(argv) == 0
+    results = json.loads((tmp_path / "e2e.json").read_text())["results"]
+    # round-robin: round 0 of every variant before round 1 of any
+    assert [(r["backend"], r["fast"], r["repeat"]) for r in results] == [
+        ("stock", False, 0), ("pytorch", True, 0), ("stock", False, 1), ("pytorch", True, 1)
+    ]
+    assert all(r["error"] is None for r in results)
+    fast = [r for r in results if r["fast"]]
+    # same weights and batches; only the dropout masks differ (compiled graphs draw them differently)
+    assert all(0 <= r["max_loss_rel_diff_vs_mmcv"] < 0.1 for r in fast)
+    markdown = (tmp_path / "e2e.md").read_text()
+    assert "| pytorch+fast | fp32 |" in markdown and "| stock | fp32 |" in markdown
+
+
+def test_summarize_runs_medians_spread_and_ratio_to_stock():
+    import benchmark_e2e
+
+    def run(label, fast, repeat, train, infer):
+        return benchmark_e2e.Result(
+            label, "amp-fp16", fast, repeat, train_ms={"median_ms": train, "p90_ms": train + 1},
+            infer_ms={"median_ms": infer}, gpu_kernel_ms=50.0, gpu_over_wall_pct=100 * 50.0 / train,
+        )
+
+    results = [
+        run("stock", False, 0, 200.0, 80.0), run("auto", True, 0, 100.0, 40.0),
+        run("stock", False, 1, 220.0, 90.0), run("auto", True, 1, 130.0, 50.0),
+        run("stock", False, 2, 240.0, 70.0), run("auto", True, 2, 110.0, 60.0),
+        benchmark_e2e.Result("tma", "amp-fp16", error="RuntimeError: no"),
+    ]
+    rows = {r["label"]: r for r in benchmark_e2e.summarize_runs(results)}
+    assert rows["stock"]["train_ms"] == 220.0 and (rows["stock"]["train_min"], rows["stock"]["train_max"]) == (200.0, 240.0)
+    assert rows["auto+fast"]["train_ms"] == 110.0 and rows["auto+fast"]["train_vs_stock"] == pytest.approx(0.5)
+    assert rows["auto+fast"]["infer_vs_stock"] == pytest.approx(50.0 / 80.0)
+    assert rows["stock"]["bound"] == "host" and rows["tma"]["error"] == "RuntimeError: no"
+
+
 def trace(name, start, duration, on_device=False):
     import benchmark_e2e
 

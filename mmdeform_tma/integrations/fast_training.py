@@ -1,0 +1,149 @@
+"""The opt-in fast training path: `tools/train.py --fast`, or `fast_training_config(cfg)` in code.
+
+A DETR-family training step is host-bound: the GPU finishes its kernels long before Python has
+launched the next ones (docs/benchmarks.md). This path cuts host work with existing engines only:
+
+- `torch.compile` of every transformer layer (mmdet's `DetrTransformerEncoderLayer` and
+  `DetrTransformerDecoderLayer` and their subclasses: Deformable DETR, DINO, Mask2Former), with
+  `fullgraph=True` so a graph break is an error, not a silent slowdown. Layers, not whole
+  encoders: mmdet builds each encoder's reference points by iterating a device tensor of level
+  shapes, a host synchronisation per level that would split the graph anyway. Modules are compiled
+  in place (`nn.Module.compile`), so parameter names and checkpoints are unchanged.
+- `mode='reduce-overhead'` replays each compiled layer's forward and backward from CUDA graphs;
+  shapes are static per image-size bucket (below).
+- the optimizer's fused CUDA kernel (`fused=True`, torch's Adam/AdamW/SGD), which also lets AMP's
+  GradScaler skip its per-step `found_inf.item()` synchronisation.
+- `BatchBucketPad`: pads each batch up to the next multiple of `step` in height and width, so
+  multi-scale training sees a few input shapes and compiled graphs are reused, not recompiled.
+  Padding is what mmdet's `BatchFixedSizePad` does: masked out by the DETR models' padding masks.
+
+What stays on the host is mmdet's: the Hungarian assigner (a SciPy solve per image and decoder
+layer, each with a device-to-host copy), the losses' average factors read back with `.item()`,
+the encoders' reference points, and mmengine's logging of every loss value.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from mmdet.models.data_preprocessors.data_preprocessor import BatchFixedSizePad
+from mmdet.models.layers.transformer import DetrTransformerDecoderLayer, DetrTransformerEncoderLayer
+from mmdet.registry import MODELS
+from mmengine.hooks import Hook
+from mmengine.logging import print_log
+from mmengine.model import is_model_wrapper
+from mmengine.registry import HOOKS
+
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")
+DEFAULT_COMPILE_MODE = "default"
+DEFAULT_BUCKET_STEP = 128
+FUSED_OPTIMIZERS = ("Adam", "AdamW", "SGD")
+# compiled graphs kept per layer class: one per bucket shape, train and eval
+DYNAMO_CACHE_SIZE_LIMIT = 64
+THIS_MODULE = __name__
+TRANSFORMER_LAYERS = (DetrTransformerEncoderLayer, DetrTransformerDecoderLayer)
+
+
+def bucket_size(height: int, width: int, step: int) -> tuple[int, int]:
+    return math.ceil(height / step) * step, math.ceil(width / step) * step
+
+
+@MODELS.register_module()
+class BatchBucketPad(BatchFixedSizePad):
+    """Pads a batch (images, and instance masks / semantic maps when asked) up to the next multiple
+    of `step` in each side; `BatchFixedSizePad`'s arguments otherwise."""
+
+    def __init__(self, step: int = DEFAULT_BUCKET_STEP, **kwargs) -> None:
+        if step <= 0:
+            raise ValueError(f"BatchBucketPad: step must be positive, got {step}")
+        super().__init__(size=(step, step), **kwargs)
+        self.step = step
+
+    def forward(self, inputs, data_samples=None):
+        # the parent pads to self.size; it is set per batch (one preprocessor per process thread)
+        self.size = bucket_size(*inputs.shape[-2:], self.step)
+        return super().forward(inputs, data_samples)
+
+
+def transformer_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """The model's DETR-style transformer layers, by name."""
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, TRANSFORMER_LAYERS)]
+
+
+def compile_transformer_layers(model: torch.nn.Module, mode: str = DEFAULT_COMPILE_MODE, **compile_kwargs) -> list[str]:
+    """Compile each transformer layer in place; returns their names. Raises if there are none."""
+    if mode not in COMPILE_MODES:
+        raise ValueError(f"unknown compile mode {mode!r}; valid: {', '.join(COMPILE_MODES)}")
+    if is_model_wrapper(model):
+        model = model.module
+    layers = transformer_layers(model)
+    if not layers:
+        raise ValueError(f"{type(model).__name__} has no DetrTransformerEncoderLayer / DecoderLayer to compile")
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, DYNAMO_CACHE_SIZE_LIMIT)
+    compile_kwargs.setdefault("fullgraph", True)
+    compile_kwargs.setdefault("dynamic", False)  # static per bucket: what CUDA graphs need
+    if compile_kwargs.get("backend", "inductor") != "inductor":
+        mode = None  # modes are inductor's; tests trace with 'aot_eager' on the CPU
+    for _, layer in layers:
+        layer.compile(mode=mode, **compile_kwargs)
+    return [name for name, _ in layers]
+
+
+@HOOKS.register_module()
+class CompileTransformerLayersHook(Hook):
+    """Compiles the model's transformer layers before the first train, val or test iteration."""
+
+    priority = "VERY_LOW"
+
+    def __init__(self, mode: str = DEFAULT_COMPILE_MODE, **compile_kwargs) -> None:
+        if mode not in COMPILE_MODES:
+            raise ValueError(f"unknown compile mode {mode!r}; valid: {', '.join(COMPILE_MODES)}")
+        self.mode = mode
+        self.compile_kwargs = compile_kwargs
+        self.compiled: list[str] = []
+
+    def before_run(self, runner) -> None:
+        if self.compiled:
+            return
+        self.compiled = compile_transformer_layers(runner.model, self.mode, **self.compile_kwargs)
+        print_log(f"compiled {len(self.compiled)} transformer layers (torch.compile mode={self.mode!r})", logger="current")
+
+
+def fast_training_config(cfg, compile_mode: str = DEFAULT_COMPILE_MODE, bucket_step: int = DEFAULT_BUCKET_STEP):
+    """`cfg` (an mmengine Config) switched to the fast path, in place; returns it.
+
+    Adds the compile hook, the fused optimizer and, unless the model pads to a fixed size already
+    (Mask2Former's large-scale jitter), bucket padding. Raises for an optimizer without a fused
+    kernel rather than quietly leaving it unfused."""
+    if compile_mode not in COMPILE_MODES:
+        raise ValueError(f"unknown compile mode {compile_mode!r}; valid: {', '.join(COMPILE_MODES)}")
+    imports = cfg.get("custom_imports", None) or dict(imports=[], allow_failed_imports=False)
+    names = list(imports.get("imports", []))
+    for name in ("mmdeform_tma", THIS_MODULE):
+        if name not in names:
+            names.append(name)
+    imports["imports"] = names
+    cfg.custom_imports = imports
+
+    hooks = [h for h in cfg.get("custom_hooks", None) or [] if h.get("type") != "CompileTransformerLayersHook"]
+    hooks.append(dict(type="CompileTransformerLayersHook", mode=compile_mode))
+    cfg.custom_hooks = hooks
+
+    optimizer = cfg.optim_wrapper.optimizer
+    if optimizer.get("type") not in FUSED_OPTIMIZERS:
+        raise ValueError(
+            f"--fast: optimizer {optimizer.get('type')!r} has no fused CUDA kernel in torch; "
+            f"use one of {', '.join(FUSED_OPTIMIZERS)} or train without --fast"
+        )
+    optimizer.fused = True
+    optimizer.pop("foreach", None)  # torch refuses fused together with foreach
+
+    preprocessor = cfg.model.get("data_preprocessor", None)
+    if preprocessor is not None:
+        augments = list(preprocessor.get("batch_augments", None) or [])
+        if not any(a.get("type") in ("BatchFixedSizePad", "BatchBucketPad") for a in augments):
+            # no masks to pad: the DETR detectors have none, Mask2Former pads to a fixed size already
+            augments.append(dict(type="BatchBucketPad", step=bucket_step))
+            preprocessor.batch_augments = augments
+    return cfg

@@ -1,0 +1,188 @@
+"""The fast training path on the CPU: the config switch, bucket padding, compiling the transformer
+layers of a real (tiny) Deformable DETR, and the --fast options of tools/train.py. The compiled
+layers are traced with 'aot_eager' here (inductor's CPU code generation is minutes on CI); the
+GPU tests run inductor and CUDA graphs."""
+
+import copy
+import sys
+from argparse import Namespace
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("mmdet")
+
+from mmengine.config import Config  # noqa: E402
+
+from mmdeform_tma.integrations import fast_training  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tools"))
+DETR = str(ROOT / "configs/synthetic/deformable-detr_r50_synthetic_tma-ws.py")
+TINY = str(ROOT / "configs/synthetic/deformable-detr_tiny_synthetic_cpu.py")
+
+
+def test_fast_config_adds_compile_hook_fused_optimizer_and_buckets():
+    cfg = fast_training.fast_training_config(Config.fromfile(DETR), compile_mode="reduce-overhead", bucket_step=64)
+    assert "mmdeform_tma.integrations.fast_training" in cfg.custom_imports["imports"]
+    assert "mmdeform_tma" in cfg.custom_imports["imports"]
+    assert [h for h in cfg.custom_hooks if h["type"] == "CompileTransformerLayersHook"] == [
+        dict(type="CompileTransformerLayersHook", mode="reduce-overhead")
+    ]
+    assert cfg.optim_wrapper.optimizer.type == "AdamW" and cfg.optim_wrapper.optimizer.fused is True
+    assert dict(type="BatchBucketPad", step=64) in cfg.model.data_preprocessor.batch_augments
+
+
+def test_fast_config_is_idempotent():
+    once = fast_training.fast_training_config(Config.fromfile(DETR))
+    twice = fast_training.fast_training_config(copy.deepcopy(once))
+    assert twice.custom_hooks == once.custom_hooks
+    assert twice.model.data_preprocessor.batch_augments == once.model.data_preprocessor.batch_augments
+    assert twice.custom_imports == once.custom_imports
+
+
+def test_fast_config_keeps_a_fixed_size_pad():
+    cfg = Config.fromfile(DETR)
+    fixed = dict(type="BatchFixedSizePad", size=(1024, 1024))
+    cfg.model.data_preprocessor.batch_augments = [fixed]
+    fast_training.fast_training_config(cfg)
+    assert cfg.model.data_preprocessor.batch_augments == [fixed]
+
+
+def test_fast_config_refuses_an_optimizer_without_a_fused_kernel():
+    cfg = Config.fromfile(DETR)
+    cfg.optim_wrapper.optimizer = dict(type="RMSprop", lr=1e-3)
+    with pytest.raises(ValueError, match="RMSprop"):
+        fast_training.fast_training_config(cfg)
+
+
+def test_fast_config_refuses_an_unknown_compile_mode():
+    with pytest.raises(ValueError, match="compile mode"):
+        fast_training.fast_training_config(Config.fromfile(DETR), compile_mode="fastest")
+
+
+def test_bucket_pad_pads_to_the_next_multiple_and_updates_metainfo():
+    from mmdet.structures import DetDataSample
+
+    pad = fast_training.BatchBucketPad(step=128)
+    samples = [DetDataSample(metainfo=dict(img_shape=(100, 150), batch_input_shape=(100, 150))) for _ in range(2)]
+    inputs = torch.rand(2, 3, 100, 150) + 1
+    out, samples = pad(inputs, samples)
+    assert out.shape == (2, 3, 128, 256)
+    torch.testing.assert_close(out[..., :100, :150], inputs)
+    assert out[..., 100:, :].abs().sum() == 0 and out[..., :, 150:].abs().sum() == 0
+    assert all(s.batch_input_shape == (128, 256) and s.pad_shape == (128, 256) for s in samples)
+    assert all(s.img_shape == (100, 150) for s in samples)  # the image itself is unchanged
+
+
+def test_bucket_pad_leaves_an_aligned_batch_alone():
+    pad = fast_training.BatchBucketPad(step=64)
+    inputs = torch.rand(1, 3, 128, 192)
+    out, _ = pad(inputs, None)
+    assert out is inputs
+
+
+def test_bucket_pad_needs_a_positive_step():
+    with pytest.raises(ValueError, match="step"):
+        fast_training.BatchBucketPad(step=0)
+
+
+def tiny_model(backend="pytorch"):
+    from benchmark_e2e import build_model
+
+    return build_model(TINY, backend, torch.device("cpu"), seed=0)
+
+
+def test_compile_transformer_layers_finds_every_layer():
+    model, _ = tiny_model()
+    names = fast_training.compile_transformer_layers(model, backend="aot_eager")
+    assert names == ["encoder.layers.0", "decoder.layers.0"]
+    assert all(model.get_submodule(n)._compiled_call_impl is not None for n in names)
+    # compiled in place: the parameter names (and so checkpoints) are unchanged
+    assert not any("_orig_mod" in name for name, _ in model.named_parameters())
+
+
+def test_compile_transformer_layers_refuses_a_model_without_them():
+    with pytest.raises(ValueError, match="no DetrTransformerEncoderLayer"):
+        fast_training.compile_transformer_layers(torch.nn.Linear(2, 2))
+
+
+def without_dropout(model):
+    """Compiled graphs draw dropout masks in another order than eager; compare without them."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    return model
+
+
+def test_compiled_layers_train_as_eager():
+    """fullgraph=True: a graph break in a layer (e.g. in the MSDA module) fails here."""
+    from benchmark_e2e import make_optim_wrapper, synthetic_batch
+
+    torch._dynamo.reset()
+    losses = {}
+    for compiled in (False, True):
+        model, cfg = tiny_model()
+        without_dropout(model)
+        if compiled:
+            fast_training.compile_transformer_layers(model, backend="aot_eager")
+        optim = make_optim_wrapper(model, cfg, "fp32")
+        model.train()
+        torch.manual_seed(0)
+        losses[compiled] = [
+            float(model.train_step(synthetic_batch(2, 128, 128, 3, torch.device("cpu"), seed=s), optim)["loss"])
+            for s in range(2)
+        ]
+    assert losses[True] == pytest.approx(losses[False], rel=1e-5)
+    assert losses[True][0] != losses[True][1]
+
+
+def test_train_tool_fast_options():
+    import train
+
+    args = train.parse_args([DETR, "--fast", "--compile-mode", "reduce-overhead", "--bucket-step", "256"])
+    cfg = train.build_config(args)
+    assert cfg.custom_hooks[-1] == dict(type="CompileTransformerLayersHook", mode="reduce-overhead")
+    assert cfg.model.data_preprocessor.batch_augments[-1] == dict(type="BatchBucketPad", step=256)
+    plain = train.build_config(train.parse_args([DETR]))
+    assert "CompileTransformerLayersHook" not in str(plain.get("custom_hooks", []))
+    with pytest.raises(SystemExit):
+        train.build_config(train.parse_args([DETR, "--compile-mode", "default"]))
+
+
+def test_compile_hook_in_a_runner(tmp_path):
+    """The hook compiles the layers of the runner's model before its first iteration; a tiny
+    training run with the whole fast configuration (fused AdamW, bucket padding) completes."""
+    from mmdet.utils import register_all_modules
+    from mmengine.runner import Runner
+
+    subprocess_free_dataset = tmp_path / "data"
+    import make_synthetic_coco
+
+    make_synthetic_coco.main(["--out", str(subprocess_free_dataset), "--num-train", "2", "--num-val", "1", "--size", "96"])
+    register_all_modules()
+    torch._dynamo.reset()
+    cfg = fast_training.fast_training_config(Config.fromfile(TINY), bucket_step=64)
+    cfg.custom_hooks[-1]["backend"] = "aot_eager"
+    cfg.work_dir = str(tmp_path / "work")
+    cfg.train_dataloader.dataset.data_root = f"{subprocess_free_dataset}/"
+    cfg.train_cfg = dict(type="EpochBasedTrainLoop", max_epochs=1, val_interval=10)
+    cfg.val_dataloader = cfg.val_evaluator = cfg.val_cfg = None
+    cfg.test_dataloader = cfg.test_evaluator = cfg.test_cfg = None
+    cfg.default_hooks.checkpoint = None
+    runner = Runner.from_cfg(cfg)
+    runner.train()
+    hook = next(h for h in runner.hooks if isinstance(h, fast_training.CompileTransformerLayersHook))
+    assert hook.compiled == ["encoder.layers.0", "decoder.layers.0"]
+    assert runner.optim_wrapper.optimizer.defaults["fused"] is True
+    assert runner.iter == 1
+
+
+def test_apply_fast_args_without_fast_is_a_no_op():
+    from runner_setup import apply_fast_args
+
+    cfg = Config.fromfile(DETR)
+    before = cfg.to_dict()
+    apply_fast_args(cfg, Namespace(fast=False, compile_mode=None, bucket_step=None))
+    assert cfg.to_dict() == before
