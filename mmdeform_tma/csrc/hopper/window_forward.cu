@@ -1,5 +1,7 @@
 // `tma_ws` forward: the window pipeline's consumers interpolate every point of their queries,
-// level by level, and store each query's output after its last level.
+// level by level, and store each query's output after its last level. Two kernels: the windowed
+// one (configs with a value window, or problems past 32-bit offsets) and a windowless one for the
+// `_l1` configs, which leaves out the window's registers and work (below).
 #include "../common/dtype_dispatch.cuh"
 #include "../common/launchers.h"
 #include "window_launch.cuh"
@@ -103,6 +105,250 @@ __global__ void __launch_bounds__(kMaxThreads, min_blocks_per_multiprocessor<sca
 #endif
 }
 
+// ---------------------------------------------------------------------------------------------
+// Windowless forward: the kernel for configs without a value window (the default `_l1` ones).
+// It keeps none of the window's work: no footprint box, no TMA, no shared-memory corner path but
+// the zero block, and 32-bit offsets (the host checks that they fit). Per stage point i the
+// producer leaves, side by side (a 16-byte and a 4-byte shared load for the consumer):
+//   weights[i]  attention x bilinear weight per corner (Corner order), as the windowed kernel's
+//   corners[i]  byte offset of the top-left corner's head row from value's start, with the
+//               corners' validity bits in the low 4 bits (a head row is a multiple of 16 bytes)
+// and, in a tile's last stage, rows[slot]: the output row of each query slot (-1: none), so that
+// consumers keep no tile state across the stages.
+// Offsets are taken modulo 2^32: a top-left corner outside the level may wrap, its in-level
+// corners are its offset plus one key and/or one level row, computed in 32 bits too.
+
+template <typename coord_t>
+struct alignas(16) CornerWeights {
+  coord_t w[4];
+};
+
+// Per point: weights and corners, plus 4 bytes that hold rows[] (slots <= points x slots).
+template <typename coord_t>
+constexpr int lean_meta_size() {
+  return static_cast<int>(sizeof(CornerWeights<coord_t>) + 2 * sizeof(uint32_t));
+}
+
+template <typename coord_t>
+struct LeanStage {
+  CornerWeights<coord_t>* weights;
+  uint32_t* corners;
+  int* rows;
+};
+
+template <typename coord_t>
+__device__ __forceinline__ LeanStage<coord_t> lean_stage(const Ring<coord_t>& ring, int stage, int n) {
+  char* base = reinterpret_cast<char*>(ring.meta(stage));
+  uint32_t* corners = reinterpret_cast<uint32_t*>(base + n * static_cast<int>(sizeof(CornerWeights<coord_t>)));
+  return {reinterpret_cast<CornerWeights<coord_t>*>(base), corners, reinterpret_cast<int*>(corners + n)};
+}
+
+// The stage header holds one level row's bytes (width x key bytes).
+template <typename coord_t>
+__device__ __forceinline__ uint32_t* lean_row_bytes(const Ring<coord_t>& ring, int stage) {
+  return reinterpret_cast<uint32_t*>(ring.header(stage));
+}
+
+#if MMDEFORM_TMA_HOPPER_DEVICE
+
+// One stage of the windowless producer: the same batches of 8 points and the same weights as
+// produce_stage, with 32-bit indices.
+template <typename scalar_t>
+__device__ __forceinline__ void produce_lean_stage(const Problem<scalar_t>& p, const Ring<coord_type<scalar_t>>& ring,
+                                                   const Tile& t, int level, int stage, uint32_t key_bytes) {
+  using coord_t = coord_type<scalar_t>;
+  const LaunchShape& s = *ring.s;
+  const int lane = threadIdx.x & 31;
+  const LevelGeometry g = level_geometry(p.spatial_shapes, p.level_start, level);
+  const int n = s.slots * p.points;
+  const LeanStage<coord_t> meta = lean_stage(ring, stage, n);
+  const int key0 = t.batch * p.num_keys + static_cast<int>(g.start);
+  const uint32_t column = static_cast<uint32_t>(t.head * s.row_bytes);
+  const int query_stride = p.heads * p.levels * p.points;
+  const int at0 = ((t.batch * p.queries * p.heads + t.head) * p.levels + level) * p.points;
+
+  constexpr int kBatch = 8;
+  const float inv_points = 1.0f / static_cast<float>(p.points);  // exact slot = i / points for i < 2^20
+  for (int first = 0; first < n; first += 32 * kBatch) {
+    coord_t x[kBatch], y[kBatch], a[kBatch];
+    bool present[kBatch];
+#pragma unroll
+    for (int k = 0; k < kBatch; ++k) {
+      const int i = first + 32 * k + lane;
+      const int slot = static_cast<int>((static_cast<float>(i) + 0.5f) * inv_points);
+      const int query = i < n ? tile_query(t, s, slot, p.queries) : -1;
+      present[k] = query >= 0;
+      x[k] = y[k] = a[k] = coord_t(0);
+      if (present[k]) {
+        const int at = at0 + query * query_stride + (i - slot * p.points);
+        x[k] = p.locations[2 * at];
+        y[k] = p.locations[2 * at + 1];
+        a[k] = p.weights[at];
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < kBatch; ++k) {
+      const int i = first + 32 * k + lane;
+      if (i >= n) break;
+      // A point that misses the level keeps weight a on every corner and reads zeros (a x 0,
+      // NaN for a non-finite weight, as the reference); an empty slot has weight 0.
+      CornerWeights<coord_t> w;
+      w.w[0] = w.w[1] = w.w[2] = w.w[3] = a[k];
+      uint32_t corners = 0u;
+      if (present[k]) {
+        const Bilinear<coord_t> bl = bilinear(x[k], y[k], g.height, g.width);
+        if (bl.valid) {
+          corners = (static_cast<uint32_t>(key0 + bl.y0 * g.width + bl.x0) * key_bytes + column) | bl.valid;
+#pragma unroll
+          for (int c = 0; c < 4; ++c) w.w[c] = a[k] * bl.weight(c);
+        }
+      }
+      meta.weights[i] = w;
+      meta.corners[i] = corners;
+    }
+  }
+  if (level == p.levels - 1) {
+    for (int slot = lane; slot < s.slots; slot += 32) {
+      const int query = tile_query(t, s, slot, p.queries);
+      meta.rows[slot] = query >= 0 ? (t.batch * p.queries + query) * p.heads + t.head : -1;
+    }
+  }
+  if (lane == 0) *lean_row_bytes(ring, stage) = static_cast<uint32_t>(g.width) * key_bytes;
+  mbarrier_arrive(ring.full(stage));
+}
+
+// A corner chunk: from global memory (through L1) when `bit` of `corners` is set, else from the
+// zero block. Volatile: never moved above the wait that makes the stage visible.
+template <int BIT>
+__device__ __forceinline__ Chunk<16> load_corner_or_zero(uint32_t corners, uint32_t zeros, const char* global) {
+  Chunk<16> c;
+  asm volatile(
+      "{\n .reg .pred p;\n .reg .b32 t;\n and.b32 t, %4, %5;\n setp.ne.u32 p, t, 0;\n"
+      " @p ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%7];\n"
+      " @!p ld.shared.v4.u32 {%0, %1, %2, %3}, [%6];\n}"
+      : "=r"(c.r[0]), "=r"(c.r[1]), "=r"(c.r[2]), "=r"(c.r[3])
+      : "r"(corners), "n"(BIT), "r"(zeros), "l"(global));
+  return c;
+}
+
+#endif  // MMDEFORM_TMA_HOPPER_DEVICE
+
+// 80 registers: 5 CTAs of 5 warps per SM by the register file (25 x 32 x 80 <= 65536), against 3
+// at the windowed kernel's 119. Stated as a cap, not as __launch_bounds__ minimum blocks, which
+// made ptxas budget only 72 registers here and spill; fp64 (gradcheck) is left uncapped.
+template <typename scalar_t>
+constexpr int lean_max_registers() {
+  return sizeof(scalar_t) == 8 ? 255 : 80;
+}
+
+template <typename scalar_t>
+__global__ void __maxnreg__(lean_max_registers<scalar_t>()) forward_lean_kernel(
+    const __grid_constant__ CUtensorMap value_map, const __grid_constant__ Problem<scalar_t> p,
+    const __grid_constant__ LaunchShape s, scalar_t* __restrict__ output) {
+#if MMDEFORM_TMA_HOPPER_DEVICE
+  using coord_t = coord_type<scalar_t>;
+  using acc_t = acc_type<scalar_t>;
+  constexpr int kChunkBytes = 16;
+  constexpr int VEC = kChunkBytes / static_cast<int>(sizeof(scalar_t));
+  constexpr int kSlots = max_forward_slots_per_team(VEC);
+  extern __shared__ __align__(128) char dynamic_smem[];
+
+  if (!level_geometry_ok(p.spatial_shapes, p.level_start, p.levels, p.num_keys)) {
+    poison_outputs(p, output);  // inconsistent level metadata: loud, and nothing is read
+    return;
+  }
+  const Ring<coord_t> ring{dynamic_smem, &s};
+  const int groups = tile_groups(p, s);
+  const int num_tiles = p.num_items / (p.queries * p.heads) * groups * p.heads;
+  const uint32_t key_bytes = static_cast<uint32_t>(p.heads * s.row_bytes);
+  const int n = s.slots * p.points;
+  init_ring(ring, &value_map);
+  if (threadIdx.x < 32) {
+    StageCursor at{static_cast<int>(blockIdx.x), 0, 0, 0u};
+    Tile t{};
+    while (at.tile < num_tiles) {
+      if (at.level == 0) t = tile_at(p, s, groups, at.tile);
+      if (at.round > 0) mbarrier_wait(ring.empty(at.stage), (at.round - 1) & 1u);
+      produce_lean_stage(p, ring, t, at.level, at.stage, key_bytes);
+      at.advance(p.levels, s.stages);
+    }
+    return;
+  }
+
+  // One tile per outer iteration: its accumulators live only inside it, and only the ring
+  // position crosses tiles (registers).
+  const ConsumerLane cl = consumer_lane(s);
+  const uint32_t zeros = smem_address(ring.zeros()) + static_cast<uint32_t>(cl.chunk_byte);
+  const char* values = reinterpret_cast<const char*>(p.value);
+  const uint32_t chunk = static_cast<uint32_t>(cl.chunk_byte);
+  int stage = 0;
+  uint32_t phase = 0u;
+  for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
+    acc_t acc[kSlots][VEC];
+#pragma unroll
+    for (int j = 0; j < kSlots; ++j)
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) acc[j][k] = acc_t(0);
+    for (int level = 0;; ++level) {
+      mbarrier_wait(ring.full(stage), phase);
+      const uint32_t down = *lean_row_bytes(ring, stage);
+      const LeanStage<coord_t> meta = lean_stage(ring, stage, n);
+#pragma unroll
+      for (int j = 0; j < kSlots; ++j) {
+        if (j >= s.slots_per_team) break;
+        const int first = (cl.team + j * cl.teams) * p.points;
+#pragma unroll 1
+        for (int point = 0; point < p.points; ++point) {  // branch-free: a missing point reads zeros
+          const uint32_t corners = meta.corners[first + point];
+          const CornerWeights<coord_t> w = meta.weights[first + point];
+          const uint32_t top = (corners & ~15u) + chunk;
+          PointCorners<kChunkBytes> c;
+          c.corner[kTopLeft] = load_corner_or_zero<1>(corners, zeros, values + top);
+          c.corner[kTopRight] = load_corner_or_zero<2>(corners, zeros, values + (top + key_bytes));
+          c.corner[kBottomLeft] = load_corner_or_zero<4>(corners, zeros, values + (top + down));
+          c.corner[kBottomRight] = load_corner_or_zero<8>(corners, zeros, values + (top + down + key_bytes));
+          use_corners<scalar_t, VEC>(c, [&](int corner, const acc_t (&v)[VEC]) {
+            const acc_t weight = static_cast<acc_t>(w.w[corner]);
+#pragma unroll
+            for (int k = 0; k < VEC; ++k) acc[j][k] = fma(weight, v[k], acc[j][k]);
+          });
+        }
+      }
+      const bool last = level == p.levels - 1;
+      int rows[kSlots];
+#pragma unroll
+      for (int j = 0; j < kSlots; ++j) {
+        rows[j] = last && j < s.slots_per_team ? meta.rows[cl.team + j * cl.teams] : -1;  // read before the release
+      }
+      mbarrier_arrive(ring.empty(stage));
+      if (++stage == s.stages) {
+        stage = 0;
+        phase ^= 1u;
+      }
+      if (last) {
+#pragma unroll
+        for (int j = 0; j < kSlots; ++j) {
+          if (rows[j] >= 0) {
+            store_vec(output + static_cast<int64_t>(rows[j]) * p.channels + cl.lane * VEC,
+                      from_acc_vec<scalar_t, VEC>(acc[j]));
+          }
+        }
+        break;
+      }
+    }
+  }
+#else
+  __trap();
+#endif
+}
+
+// 32-bit offsets hold every value byte and location index of the problem.
+bool lean_fits(const ProblemTensors& problem) {
+  constexpr int64_t kLimit = int64_t{1} << 31;
+  return problem.value.numel() * problem.value.element_size() < kLimit &&
+         problem.num_items() * problem.levels * problem.points * 2 < kLimit;
+}
+
 }  // namespace
 
 at::Tensor forward(const ProblemTensors& problem, int64_t config) {
@@ -113,9 +359,17 @@ at::Tensor forward(const ProblemTensors& problem, int64_t config) {
   hopper::require_tma_channels(problem.value, "tma_ws");
   MMDEFORM_TMA_DISPATCH_VALUE_TYPES(problem.value.scalar_type(), "mmdeform_tma tma_ws forward", [&] {
     constexpr int kVec = 16 / static_cast<int>(sizeof(scalar_t));
-    const LaunchShape s = launch_shape(problem, config, 16, sizeof(WindowPoint<coord_type<scalar_t>>),
-                                       max_forward_slots_per_team(kVec), false);
-    launch_persistent<scalar_t>(forward_kernel<scalar_t>, problem, s, reinterpret_cast<scalar_t*>(output.data_ptr()));
+    using coord_t = coord_type<scalar_t>;
+    auto* out = reinterpret_cast<scalar_t*>(output.data_ptr());
+    const LaunchShape s =
+        launch_shape(problem, config, 16, sizeof(WindowPoint<coord_t>), max_forward_slots_per_team(kVec), false);
+    if (s.window_rows == 0 && lean_fits(problem)) {
+      const LaunchShape lean =
+          launch_shape(problem, config, 16, lean_meta_size<coord_t>(), max_forward_slots_per_team(kVec), false);
+      launch_persistent<scalar_t>(forward_lean_kernel<scalar_t>, problem, lean, out);
+    } else {
+      launch_persistent<scalar_t>(forward_kernel<scalar_t>, problem, s, out);
+    }
   });
   return output;
 }
