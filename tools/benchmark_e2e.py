@@ -322,15 +322,20 @@ def main(argv=None) -> int:
             results.append(Result(backend, precision, fast, repeat, error=message))
         if device.type == "cuda":
             torch.cuda.empty_cache()  # the last model is gone with run_one's frame
+        compare_losses(results)
+        write_outputs(args.out, env, results)  # after every run: a timeout keeps what was measured
+    print(format_table(results))
+    print(f"\nwrote {args.out}.json, {args.out}.md, {args.out}.png  ({env['device']}, commit {env['commit']})")
+    return 0
+
+
+def compare_losses(results: list[Result]) -> None:
+    """Each run's largest relative loss difference against stock (else the mmcv backend)."""
     for r in results:
         base = next((b for b in results if b.label == "stock" and b.precision == r.precision and b.losses), None)
         base = base or next((b for b in results if b.label == "mmcv" and b.precision == r.precision and b.losses), None)
         if base and r.losses:
             r.max_loss_rel_diff_vs_mmcv = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(r.losses, base.losses))
-    write_outputs(args.out, env, results)
-    print(format_table(results))
-    print(f"\nwrote {args.out}.json, {args.out}.md, {args.out}.png  ({env['device']}, commit {env['commit']})")
-    return 0
 
 
 def fmt(x, spec: str) -> str:
