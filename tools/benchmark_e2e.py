@@ -37,11 +37,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_common  # noqa: E402
+from synthetic_batches import batch_for_config, synthetic_batch  # noqa: E402,F401  (tests import it from here)
 
 import mmdeform_tma  # noqa: E402
 
 PRECISIONS = {"fp32": None, "amp-fp16": "float16", "amp-bf16": "bfloat16"}
-MSDA_KERNELS = re.compile(r"mmdeform_tma|portable::|tma_kernel|tma_ws_kernel|fixed_point|ms_deformable|grid_sampler")
+MSDA_KERNELS = re.compile(r"mmdeform_tma|portable::|tma_kernel|tma_ws_kernel|tma_ws::|fixed_point|ms_deformable")
+# the reference backend's MSDA is grid_sample; only then are those kernels MSDA's (Mask2Former's
+# point-sampled mask loss runs grid_sampler too)
+REFERENCE_MSDA_KERNELS = re.compile(MSDA_KERNELS.pattern + "|grid_sampler")
 STEP_RANGE = "benchmark_e2e::train_step"
 LAUNCH_PREFIXES = ("cudaLaunch", "cuLaunch", "cudaGraphLaunch")
 HOST_SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
@@ -84,28 +88,6 @@ def build_model(config_path: str, backend: str, device: torch.device, seed: int,
     return model, cfg
 
 
-def synthetic_batch(batch: int, height: int, width: int, num_classes: int, device: torch.device, seed: int) -> dict:
-    from mmdet.structures import DetDataSample
-    from mmengine.structures import InstanceData
-
-    g = torch.Generator().manual_seed(seed)
-    inputs, samples = [], []
-    for _ in range(batch):
-        inputs.append(torch.randint(0, 256, (3, height, width), dtype=torch.uint8, generator=g))
-        n = int(torch.randint(3, 9, (1,), generator=g))
-        xy = torch.rand(n, 2, generator=g) * torch.tensor([width * 0.8, height * 0.8])
-        wh = (torch.rand(n, 2, generator=g) * 0.3 + 0.05) * torch.tensor([width, height])
-        sample = DetDataSample(
-            metainfo=dict(img_shape=(height, width), ori_shape=(height, width), pad_shape=(height, width), scale_factor=(1.0, 1.0))
-        )
-        sample.gt_instances = InstanceData(
-            bboxes=torch.cat([xy, (xy + wh).clamp(max=torch.tensor([width, height]))], 1),
-            labels=torch.randint(0, num_classes, (n,), generator=g),
-        )
-        samples.append(sample)
-    return {"inputs": inputs, "data_samples": samples}
-
-
 def make_optim_wrapper(model, cfg, precision: str):
     from mmengine.optim import build_optim_wrapper
 
@@ -132,7 +114,7 @@ class TraceEvent:
     duration_us: float
 
 
-def iteration_breakdown(events: list[TraceEvent]) -> dict:
+def iteration_breakdown(events: list[TraceEvent], msda_kernels: re.Pattern = MSDA_KERNELS) -> dict:
     """Per-iteration GPU kernel time, kernels, launches, host synchronisations, scalar reads and
     MSDA share, from a trace whose iterations are each inside a STEP_RANGE range. Host events
     outside those ranges (the profiler's own synchronisation at the end) are not counted."""
@@ -144,7 +126,7 @@ def iteration_breakdown(events: list[TraceEvent]) -> dict:
     )
     kernels = [e for e in events if e.on_device and not e.name.startswith(COPY_OR_FILL)]
     kernel_us = sum(k.duration_us for k in kernels)
-    msda_us = sum(k.duration_us for k in kernels if MSDA_KERNELS.search(k.name))
+    msda_us = sum(k.duration_us for k in kernels if msda_kernels.search(k.name))
     n = len(steps)
     syncs = {name: host[name] / n for name in HOST_SYNC_CALLS}
     return {
@@ -171,7 +153,7 @@ def trace_events(function_events) -> list[TraceEvent]:
     return events
 
 
-def profile_iterations(step, iters: int, device: torch.device) -> dict:
+def profile_iterations(step, iters: int, device: torch.device, msda_kernels: re.Pattern = MSDA_KERNELS) -> dict:
     """iteration_breakdown of `iters` profiled steps; on the CPU only the host counts mean anything."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -181,7 +163,7 @@ def profile_iterations(step, iters: int, device: torch.device) -> dict:
             with record_function(STEP_RANGE):
                 step()
         bench_common.synchronize(device)
-    breakdown = iteration_breakdown(trace_events(prof.events()))
+    breakdown = iteration_breakdown(trace_events(prof.events()), msda_kernels)
     if device.type != "cuda":  # no device: no kernels, launches or synchronisations to count
         breakdown.update(gpu_kernel_ms=None, gpu_kernels=None, kernel_launches=None, host_syncs=None, sync_calls={})
     return breakdown
@@ -220,8 +202,7 @@ def run_one(args, backend: str, precision: str, device: torch.device, fast: bool
     result = Result(backend, precision, fast, repeat)
     fast_options = dict(mode=args.compile_mode, **({"backend": args.compile_backend} if args.compile_backend else {}))
     model, cfg = build_model(args.config, backend, device, args.seed, fast_options if fast else None)
-    num_classes = cfg.model.bbox_head.num_classes
-    batches = [synthetic_batch(args.batch, args.height, args.width, num_classes, device, args.seed + i) for i in range(args.parity_steps)]
+    batches = [batch_for_config(cfg, args.batch, args.height, args.width, device, args.seed + i) for i in range(args.parity_steps)]
     optim_wrapper = make_optim_wrapper(model, cfg, precision)
     model.train()
     torch.manual_seed(args.seed)  # dropout draws the same numbers for every backend
@@ -240,7 +221,8 @@ def run_one(args, backend: str, precision: str, device: torch.device, fast: bool
     result.train_ms = bench_common.summarize(time_loop(train_step, args.iters, device))
     if device.type == "cuda":
         result.peak_memory_mb = torch.cuda.max_memory_allocated(device) / 2**20
-    breakdown = profile_iterations(train_step, min(5, args.iters), device)
+    msda_kernels = REFERENCE_MSDA_KERNELS if backend == "pytorch" else MSDA_KERNELS
+    breakdown = profile_iterations(train_step, min(5, args.iters), device, msda_kernels)
     for key, value in breakdown.items():
         setattr(result, key, value)
     if result.gpu_kernel_ms is not None:
@@ -259,6 +241,16 @@ def run_one(args, backend: str, precision: str, device: torch.device, fast: bool
     result.infer_ms = bench_common.summarize(time_loop(infer_step, args.iters, device))
     result.images_per_s = args.batch / (result.infer_ms["median_ms"] / 1e3)
     return result
+
+
+def default_image_size(config_path: str, gpu: bool) -> str:
+    """800x1216 on a GPU (128x128 on the CPU), or the config's fixed training pad size where it
+    has one (Mask2Former's 1024x1024), so training and inference see the same images."""
+    from mmengine.config import Config
+    from synthetic_batches import fixed_pad_size
+
+    fixed = fixed_pad_size(Config.fromfile(config_path)) if gpu else None
+    return f"{fixed[0]}x{fixed[1]}" if fixed else ("800x1216" if gpu else "128x128")
 
 
 def parse_args(argv=None):
@@ -292,7 +284,7 @@ def parse_args(argv=None):
 
         args.compile_mode = DEFAULT_COMPILE_MODE
     args.batch = args.batch or (2 if gpu else 1)
-    args.height, args.width = (int(x) for x in (args.image_size or ("800x1216" if gpu else "128x128")).split("x"))
+    args.height, args.width = (int(x) for x in (args.image_size or default_image_size(args.config, gpu)).split("x"))
     args.iters = args.iters or (20 if gpu else 2)
     args.warmup = args.warmup if args.warmup is not None else (5 if gpu else 1)
     args.parity_steps = args.parity_steps or (10 if gpu else 2)

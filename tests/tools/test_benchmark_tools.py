@@ -80,7 +80,7 @@ def test_benchmark_e2e_cpu_smoke(tmp_path):
         assert r["scalar_reads"] > 0  # mmdet's losses and assigner read scalars every iteration
         assert r["gpu_kernel_ms"] is None and r["host_syncs"] is None and r["bound"] is None  # no device on the CPU
     markdown = (tmp_path / "e2e.md").read_text()
-    assert (tmp_path / "e2e.png").exists() and "| backend |" in markdown and "GPU/wall %" in markdown
+    assert (tmp_path / "e2e.png").exists() and "| variant |" in markdown and "GPU/wall %" in markdown
 
 
 def test_benchmark_e2e_fast_rows_and_interleaved_repeats(tmp_path):
