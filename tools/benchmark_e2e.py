@@ -222,7 +222,7 @@ def run_one(args, backend: str, precision: str, device: torch.device, fast: bool
     if device.type == "cuda":
         result.peak_memory_mb = torch.cuda.max_memory_allocated(device) / 2**20
     msda_kernels = REFERENCE_MSDA_KERNELS if backend == "pytorch" else MSDA_KERNELS
-    breakdown = profile_iterations(train_step, min(5, args.iters), device, msda_kernels)
+    breakdown = profile_iterations(train_step, min(args.profile_iters, args.iters), device, msda_kernels)
     for key, value in breakdown.items():
         setattr(result, key, value)
     if result.gpu_kernel_ms is not None:
@@ -270,6 +270,7 @@ def parse_args(argv=None):
     p.add_argument("--iters", type=int, default=None)
     p.add_argument("--warmup", type=int, default=None)
     p.add_argument("--parity-steps", type=int, default=None)
+    p.add_argument("--profile-iters", type=int, default=3, help="profiled iterations for the per-iteration breakdown")
     p.add_argument("--repeats", type=int, default=1, help="rounds of all runs, interleaved; the table gives the spread")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("bench_results/e2e"))
