@@ -4,7 +4,7 @@
 #   build                     pip install -e . with the PTXAS report ($OUT/ptxas.log)
 #   tests                     kernel tests per backend, then the rest of the suite
 #   kernels_tma kernels_tma_ws kernels_cuda   one backend's kernel tests
-#   fuzz integration          tests/test_fuzz.py; tests/integrations/test_mmdet_gpu.py
+#   fuzz integration          tests/test_fuzz.py; tests/integrations/test_mmdet_gpu.py, test_mask2former_gpu.py
 #   sanitize                  compute-sanitizer memcheck, racecheck and synccheck (tools/sanitize_cases.py)
 #   bench graph               tools/benchmark_op.py (BENCH_ARGS); tools/cuda_graph_train_step.py
 # Each step runs under `timeout`, so a hung kernel cannot take the whole run with it.
@@ -47,7 +47,7 @@ if has fuzz; then
   run fuzz ${TEST_TIMEOUT:-900} $PYTEST tests/test_fuzz.py
 fi
 if has integration; then
-  run integration ${TEST_TIMEOUT:-900} $PYTEST tests/integrations/test_mmdet_gpu.py
+  run integration ${TEST_TIMEOUT:-900} $PYTEST tests/integrations/test_mmdet_gpu.py tests/integrations/test_mask2former_gpu.py
 fi
 if has sanitize; then
   for tool in memcheck racecheck synccheck; do
