@@ -191,20 +191,13 @@ def test_apply_fast_args_without_fast_is_a_no_op():
 def test_mask2former_layers_compile_fullgraph_and_train():
     """Mask2Former's 6 pixel-decoder encoder layers (MSDA) and 9 masked-attention decoder layers
     compile without a graph break and train (R50, small panoptic batches, no 1024 px padding)."""
-    from mmdet.registry import MODELS
+    from mmdet_models import build_model
     from mmengine.optim import build_optim_wrapper
-    from mmengine.registry import init_default_scope
     from synthetic_batches import batch_for_config
 
     cfg = Config.fromfile(str(ROOT / "configs/mask2former/mask2former_r50_8xb2-lsj-50e_coco-panoptic_tma-ws.py"))
-    init_default_scope("mmdet")
-    model_cfg = copy.deepcopy(cfg.model)
-    model_cfg.backbone.init_cfg = None
-    model_cfg.data_preprocessor.batch_augments = None  # 64 x 96 images, not 1024 x 1024
-    model_cfg.panoptic_head.pixel_decoder.encoder.layer_cfg.self_attn_cfg.backend = "pytorch"
-    torch.manual_seed(0)
-    model = MODELS.build(model_cfg)
-    model.init_weights()
+    cfg.model.data_preprocessor.batch_augments = None  # 64 x 96 images, not 1024 x 1024
+    model = build_model(cfg, backend="pytorch")
     optim = build_optim_wrapper(model, cfg.optim_wrapper)
     torch._dynamo.reset()
     names = fast_training.compile_transformer_layers(model, backend="aot_eager")

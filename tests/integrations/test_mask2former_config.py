@@ -2,7 +2,6 @@
 MultiScaleDeformableAttention modules on `tma_ws` and changes nothing else, the kernel switches by
 --cfg-options or MMDEFORM_TMA_BACKEND, and the reference backend gives stock mmcv's outputs (CPU)."""
 
-import copy
 import sys
 from pathlib import Path
 
@@ -12,30 +11,14 @@ import torch
 pytest.importorskip("mmdet")
 from mmcv.ops import MultiScaleDeformableAttention  # noqa: E402
 from mmengine.config import Config  # noqa: E402
-from mmengine.registry import init_default_scope  # noqa: E402
 
 import mmdeform_tma  # noqa: E402,F401
+from mmdet_models import build_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs/mask2former/mask2former_r50_8xb2-lsj-50e_coco-panoptic_tma-ws.py"
 BACKEND_KEY = "model.panoptic_head.pixel_decoder.encoder.layer_cfg.self_attn_cfg.backend"
 sys.path.insert(0, str(ROOT / "tools"))
-
-
-def build(cfg, backend="keep", seed=0):
-    from mmdet.registry import MODELS
-
-    init_default_scope("mmdet")
-    model_cfg = copy.deepcopy(cfg.model)
-    model_cfg.backbone.init_cfg = None
-    torch.manual_seed(seed)
-    model = MODELS.build(model_cfg)
-    model.init_weights()
-    if backend != "keep":
-        for module in model.modules():
-            if isinstance(module, MultiScaleDeformableAttention):
-                module.backend = backend
-    return model
 
 
 def msda_modules(model) -> dict:
@@ -58,7 +41,7 @@ def test_config_merges_the_backend_into_mmdets_pixel_decoder():
 
 
 def test_every_msda_module_of_the_model_is_on_tma_ws():
-    modules = msda_modules(build(Config.fromfile(str(CONFIG))))
+    modules = msda_modules(build_model(Config.fromfile(str(CONFIG))))
     assert len(modules) == 6 and all(name.startswith("panoptic_head.pixel_decoder.encoder.layers.") for name in modules)
     assert {m.backend for m in modules.values()} == {"tma_ws"}
     assert {(m.num_levels, m.num_heads, m.num_points) for m in modules.values()} == {(3, 8, 4)}
@@ -68,16 +51,16 @@ def test_cfg_options_and_environment_switch_the_kernel(monkeypatch):
     from train import build_config, parse_args
 
     cfg = build_config(parse_args([str(CONFIG), "--cfg-options", f"{BACKEND_KEY}=cuda"]))
-    assert {m.backend for m in msda_modules(build(cfg)).values()} == {"cuda"}
+    assert {m.backend for m in msda_modules(build_model(cfg)).values()} == {"cuda"}
     monkeypatch.setenv("MMDEFORM_TMA_BACKEND", "pytorch")
-    assert {m.backend for m in msda_modules(build(Config.fromfile(str(CONFIG)))).values()} == {"pytorch"}
+    assert {m.backend for m in msda_modules(build_model(Config.fromfile(str(CONFIG)))).values()} == {"pytorch"}
 
 
 def test_state_dict_loads_into_stock_mmcv_and_reference_backend_gives_its_outputs():
     from synthetic_batches import batch_for_config
 
     cfg = Config.fromfile(str(CONFIG))
-    plugged, stock = build(cfg, backend="pytorch", seed=3), build(cfg, backend=None, seed=4)
+    plugged, stock = build_model(cfg, backend="pytorch", seed=3), build_model(cfg, backend=None, seed=4)
     assert list(plugged.state_dict()) == list(stock.state_dict())
     stock.load_state_dict(plugged.state_dict())
     batch = batch_for_config(cfg, 2, 96, 128, torch.device("cpu"), seed=2)

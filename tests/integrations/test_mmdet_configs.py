@@ -1,7 +1,6 @@
 """The configs in configs/: they build mmdet models, train and predict on the CPU with the
 reference backend, match stock mmcv, and switch kernels by --cfg-options or MMDEFORM_TMA_BACKEND."""
 
-import copy
 import subprocess
 import sys
 from pathlib import Path
@@ -12,30 +11,14 @@ import torch
 pytest.importorskip("mmdet")
 from mmcv.ops import MultiScaleDeformableAttention  # noqa: E402
 from mmengine.config import Config  # noqa: E402
-from mmengine.registry import init_default_scope  # noqa: E402
 
 import mmdeform_tma  # noqa: E402,F401
+from mmdet_models import build_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted(p for p in (ROOT / "configs").rglob("*.py") if "_base_" not in p.parts)
 TINY = ROOT / "configs/synthetic/deformable-detr_tiny_synthetic_cpu.py"
 sys.path.insert(0, str(ROOT / "tools"))
-
-
-def build(cfg, backend="keep", seed=0):
-    from mmdet.registry import MODELS
-
-    init_default_scope("mmdet")
-    model_cfg = copy.deepcopy(cfg.model)
-    model_cfg.backbone.init_cfg = None
-    torch.manual_seed(seed)
-    model = MODELS.build(model_cfg)
-    model.init_weights()
-    if backend != "keep":
-        for m in model.modules():
-            if isinstance(m, MultiScaleDeformableAttention):
-                m.backend = backend
-    return model
 
 
 def msda_backends(model):
@@ -46,7 +29,7 @@ def msda_backends(model):
 def test_config_builds_its_model(path):
     cfg = Config.fromfile(str(path))
     assert "mmdeform_tma" in cfg.custom_imports.imports and not cfg.custom_imports.allow_failed_imports
-    model = build(cfg)
+    model = build_model(cfg)
     backends = msda_backends(model)
     assert backends and len(set(backends)) == 1
     assert backends[0] == ("pytorch" if "tiny" in path.stem else "tma_ws")
@@ -62,7 +45,7 @@ def test_tiny_model_trains_and_predicts_on_cpu():
     from mmengine.optim import build_optim_wrapper
 
     cfg = Config.fromfile(str(TINY))
-    model = build(cfg)
+    model = build_model(cfg)
     optim = build_optim_wrapper(model, cfg.optim_wrapper)
     losses = model.train_step(tiny_batch(), optim)
     assert all(torch.isfinite(v).all() for v in losses.values())
@@ -74,14 +57,14 @@ def test_tiny_model_trains_and_predicts_on_cpu():
 
 def test_state_dict_keys_match_stock_mmcv():
     cfg = Config.fromfile(str(TINY))
-    plugged, stock = build(cfg, seed=5), build(cfg, backend=None, seed=5)
+    plugged, stock = build_model(cfg, seed=5), build_model(cfg, backend=None, seed=5)
     assert list(plugged.state_dict()) == list(stock.state_dict())
     stock.load_state_dict(plugged.state_dict())
 
 
 def test_reference_backend_matches_stock_mmcv_outputs():
     cfg = Config.fromfile(str(TINY))
-    plugged, stock = build(cfg, backend="pytorch", seed=7), build(cfg, backend=None, seed=7)
+    plugged, stock = build_model(cfg, backend="pytorch", seed=7), build_model(cfg, backend=None, seed=7)
     stock.load_state_dict(plugged.state_dict())
     batch = tiny_batch(seed=3)
     for model in (plugged, stock):
@@ -99,10 +82,10 @@ def test_cfg_options_and_environment_switch_the_kernel(monkeypatch):
 
     config = str(ROOT / "configs/synthetic/deformable-detr_r50_synthetic_tma-ws.py")
     args = parse_args([config, "--cfg-options", "model.encoder.layer_cfg.self_attn_cfg.backend=cuda", "model.decoder.layer_cfg.cross_attn_cfg.backend=pytorch"])
-    model = build(build_config(args))
+    model = build_model(build_config(args))
     assert msda_backends(model) == ["cuda"] * 6 + ["pytorch"] * 6
     monkeypatch.setenv("MMDEFORM_TMA_BACKEND", "pytorch")
-    assert set(msda_backends(build(Config.fromfile(config)))) == {"pytorch"}
+    assert set(msda_backends(build_model(Config.fromfile(config)))) == {"pytorch"}
 
 
 def test_amp_flag_sets_the_optim_wrapper():
@@ -118,7 +101,7 @@ def test_unknown_backend_in_a_config_fails_at_build():
     cfg = Config.fromfile(str(TINY))
     cfg.model.encoder.layer_cfg.self_attn_cfg.backend = "fast"
     with pytest.raises(ValueError, match="valid names"):
-        build(cfg)
+        build_model(cfg)
 
 
 def test_custom_imports_alone_enable_backend_in_a_fresh_interpreter():

@@ -1,0 +1,30 @@
+"""Building mmdet models from configs in tests: offline (no backbone weights), seeded, and with
+every MultiScaleDeformableAttention switched to one backend if asked."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+
+def build_model(cfg, backend: str | None = "keep", seed: int = 0):
+    """The config's model, initialised from `seed`; `backend='keep'` leaves the config's choice,
+    None selects mmcv's own forward."""
+    from mmcv.ops import MultiScaleDeformableAttention
+    from mmdet.registry import MODELS
+    from mmengine.registry import init_default_scope
+
+    import mmdeform_tma  # noqa: F401  (MultiScaleDeformableAttention takes backend=)
+
+    init_default_scope("mmdet")
+    model_cfg = copy.deepcopy(cfg.model)
+    model_cfg.backbone.init_cfg = None
+    torch.manual_seed(seed)
+    model = MODELS.build(model_cfg)
+    model.init_weights()
+    if backend != "keep":
+        for module in model.modules():
+            if isinstance(module, MultiScaleDeformableAttention):
+                module.backend = backend
+    return model
