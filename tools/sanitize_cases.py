@@ -33,10 +33,12 @@ def window_variants(dtype: torch.dtype) -> None:
                                generator=g, locality=locality)
         args = problem.to(device="cuda", dtype=dtype, coord_dtype=problem.sampling_locations.dtype).args()
         grad = torch.randn(2, queries, 64, device="cuda", dtype=dtype)
-        for index, name in enumerate(kernel_configs("tma_ws", "forward")):
+        forward_count = len(kernel_configs("tma_ws", "forward"))
+        for index, name in enumerate(kernel_configs("tma_ws", "backward")):  # the forward's, then gather ones
             if "_w" not in name:
                 continue
-            ops.ms_deform_attn_forward(*args, "tma_ws", index)
+            if index < forward_count:
+                ops.ms_deform_attn_forward(*args, "tma_ws", index)
             for deterministic in (False, True):
                 ops.ms_deform_attn_backward(grad, *args, "tma_ws", index, deterministic)
             torch.cuda.synchronize()

@@ -284,8 +284,9 @@ WINDOW_CASES = [CASES[0], CASES[9], CASES[10]]  # a decoder, and two encoders (p
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("case", WINDOW_CASES, ids=lambda c: c[0])
 def test_every_tma_ws_config_against_float64(case, dtype):
-    """Each compiled tma_ws variant (tile size, stages, window budget or no window), forward and
-    backward through the ops directly, against float64: the autotuner may pick any of them."""
+    """Each compiled tma_ws variant (tile size, stages, window budget or no window; the backward's
+    gather variants also deterministic), forward and backward through the ops directly, against
+    float64: the autotuner may pick any of them."""
     problem = cuda_problem(case, dtype, seed=13)
     skip_unless_supported("tma_ws", validate(*problem.args()))
     args = problem.args()
@@ -299,6 +300,13 @@ def test_every_tma_ws_config_against_float64(case, dtype):
     for config, name in enumerate(names):
         out = torch.ops.mmdeform_tma.ms_deform_attn_forward(*args, "tma_ws", config)
         check(out, exact, f"{name} output")
-        grads = torch.ops.mmdeform_tma.ms_deform_attn_backward(grad_output, *args, "tma_ws", config, False)
-        for i, (what, got, want) in enumerate(zip(("grad_value", "grad_locations", "grad_weights"), grads, exact_grads)):
-            check(got, want, f"{name} {what}", geometry32[i] if i > 0 else None)
+    backward_names = kernel_configs("tma_ws", "backward")
+    assert backward_names[: len(names)] == names  # the backward-only (gather) configs come last
+    for config, name in enumerate(backward_names):
+        for deterministic in (False, True) if name.endswith("_g") else (False,):
+            grads = torch.ops.mmdeform_tma.ms_deform_attn_backward(grad_output, *args, "tma_ws", config, deterministic)
+            if deterministic:  # the per-cell sums run in the index's order: bitwise the same every run
+                again = torch.ops.mmdeform_tma.ms_deform_attn_backward(grad_output, *args, "tma_ws", config, True)
+                assert all(torch.equal(a, b) for a, b in zip(grads, again)), name
+            for i, (what, got, want) in enumerate(zip(("grad_value", "grad_locations", "grad_weights"), grads, exact_grads)):
+                check(got, want, f"{name} {what}", geometry32[i] if i > 0 else None)

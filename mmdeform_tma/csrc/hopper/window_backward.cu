@@ -6,6 +6,13 @@
 // was measured and lost on every shape (docs/perf_notes.md): sm_90 has no native shared-memory
 // float addition (ptxas emits a compare-and-swap loop), and native 32-bit integer reductions on
 // fixed-point values still cost more per element than the global vector reductions they saved.
+//
+// The gather variant (configs with `gather`) sums without shared-memory additions: per stage the
+// producer sorts the window points' corners by window cell (a counting sort; only its counters use
+// integer atomics), and after their own points the consumers walk the touched cells, sum each
+// cell's contributions in registers in the sorted order, and reduce once per cell. Corners of
+// points outside the window are reduced directly, as in the plain kernel. The order within a cell
+// depends only on the data, so with the fixed-point sink the result stays bitwise reproducible.
 #include "../common/grad_accumulation.cuh"
 #include "../common/launchers.h"
 #include "backward_chunk.h"
@@ -31,7 +38,140 @@ __device__ __forceinline__ void poison_coordinate_gradients(const Problem<scalar
   }
 }
 
-template <typename scalar_t, int kChunkBytes, typename Sink>
+// One corner of a window point, in the gather index: its contribution is weight x the output
+// gradient row `row` of its query.
+template <typename coord_t>
+struct alignas(2 * sizeof(coord_t)) GatherEntry {
+  coord_t weight;
+  int row;
+};
+
+// Gather kernels are built for the usual lane chunk of each dtype but fp64 (gradcheck): 8 bytes
+// for fp16/bf16 (rows of up to 64 channels), 16 for fp32. Other problems run the plain kernel.
+constexpr bool gather_built(int element_size, int chunk_bytes) {
+  return element_size == 2 ? chunk_bytes == 8 : element_size == 4;
+}
+
+template <typename coord_t>
+__device__ __forceinline__ GatherEntry<coord_t>* gather_entries(const Ring<coord_t>& ring, int stage) {
+  return reinterpret_cast<GatherEntry<coord_t>*>(ring.window(stage) + ring.s->entries_offset);
+}
+template <typename coord_t>
+__device__ __forceinline__ uint32_t* gather_touched(const Ring<coord_t>& ring, int stage) {
+  return reinterpret_cast<uint32_t*>(ring.window(stage) + ring.s->touched_offset);
+}
+// Touched cells of the stage, in the header after the StageWindow.
+template <typename coord_t>
+__device__ __forceinline__ int* gather_touched_count(const Ring<coord_t>& ring, int stage) {
+  return reinterpret_cast<int*>(ring.header(stage) + 1);
+}
+template <typename coord_t>
+__device__ __forceinline__ int* gather_counters(const Ring<coord_t>& ring) {
+  return reinterpret_cast<int*>(ring.base + ring.s->scratch_offset);
+}
+
+#if MMDEFORM_TMA_HOPPER_DEVICE
+
+// The producer's gather index of one stage, after the window pass (m.cell set for window points).
+// Counting sort over the window points' corners: counts per cell (shared integer atomics), one
+// warp scan that gives each touched cell its start and its place in the touched list (ascending
+// cells), then a stable scatter: corners land in (point, corner) order within their cell. The
+// counters are zero on entry and on exit.
+template <typename scalar_t>
+__device__ __forceinline__ void build_gather_index(const Problem<scalar_t>& p, const Ring<coord_type<scalar_t>>& ring,
+                                                   const Tile& t, const StageWindow& w, int stage) {
+  using coord_t = coord_type<scalar_t>;
+  const LaunchShape& s = *ring.s;
+  const int lane = threadIdx.x & 31;
+  if (w.rows == 0) {
+    if (lane == 0) *gather_touched_count(ring, stage) = 0;
+    return;
+  }
+  const WindowPoint<coord_t>* meta = ring.meta(stage);
+  int* count = gather_counters(ring);
+  uint32_t* touched = gather_touched(ring, stage);
+  GatherEntry<coord_t>* entries = gather_entries(ring, stage);
+  const int n = s.slots * p.points;
+  const int down = s.window_cols;
+  __syncwarp();
+  for (int i = lane; i < n; i += 32) {
+    const int cell = meta[i].cell;
+    if (cell >= 0) {
+      atomicAdd(count + cell, 1);
+      atomicAdd(count + cell + 1, 1);
+      atomicAdd(count + cell + down, 1);
+      atomicAdd(count + cell + down + 1, 1);
+    }
+  }
+  __syncwarp();
+
+  // Lane L scans cells [L x per, (L + 1) x per); entries and touched cells are packed in one int
+  // (each < 2^16, the host checks 4 n < 2^16).
+  const int cells = w.rows * s.window_cols;
+  const int per = (cells + 31) / 32;
+  const int lo = min(lane * per, cells), hi = min(lo + per, cells);
+  uint32_t packed = 0u;
+  for (int c = lo; c < hi; ++c) {
+    const int k = count[c];
+    packed += (static_cast<uint32_t>(k) << 16) + (k > 0 ? 1u : 0u);
+  }
+  uint32_t inclusive = packed;
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const uint32_t other = __shfl_up_sync(0xffffffffu, inclusive, d);
+    if (lane >= d) inclusive += other;
+  }
+  int start = static_cast<int>((inclusive - packed) >> 16), place = static_cast<int>((inclusive - packed) & 0xFFFFu);
+  for (int c = lo; c < hi; ++c) {
+    const int k = count[c];
+    if (k > 0) {
+      touched[place++] = (static_cast<uint32_t>(start) << 16) | static_cast<uint32_t>(c);
+      count[c] = start;  // from here on: the cell's next free entry
+      start += k;
+    }
+  }
+  if (lane == 31) {
+    touched[place] = static_cast<uint32_t>(start) << 16;  // the end of the last cell
+    *gather_touched_count(ring, stage) = place;
+  }
+  __syncwarp();
+
+  const unsigned lower = (1u << lane) - 1u;
+  const float inv_points = 1.0f / static_cast<float>(p.points);  // exact slot = i / points for i < 2^20
+  for (int first = 0; first < n; first += 32) {
+    const int i = first + lane;
+    const int cell0 = i < n ? meta[i].cell : -1;
+    if (__ballot_sync(0xffffffffu, cell0 >= 0) == 0u) continue;
+    coord_t weight[4] = {coord_t(0), coord_t(0), coord_t(0), coord_t(0)};
+    int row = 0;
+    if (cell0 >= 0) {
+#pragma unroll
+      for (int c = 0; c < 4; ++c) weight[c] = meta[i].weight[c];
+      const int slot = static_cast<int>((static_cast<float>(i) + 0.5f) * inv_points);
+      row = (t.batch * p.queries + tile_query(t, s, slot, p.queries)) * p.heads + t.head;
+    }
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const int cell = cell0 >= 0 ? cell0 + (c & 1) + ((c & 2) ? down : 0) : -1;
+      const unsigned peers = __match_any_sync(0xffffffffu, cell);
+      const int leader = __ffs(peers) - 1;
+      int at = 0;
+      if (cell >= 0 && lane == leader) {
+        at = count[cell];
+        count[cell] = at + __popc(peers);
+      }
+      at = __shfl_sync(0xffffffffu, at, leader) + __popc(peers & lower);
+      if (cell >= 0) entries[at] = GatherEntry<coord_t>{weight[c], row};
+      __syncwarp();  // the next leader of this cell reads the count written here
+    }
+  }
+  for (int c = lane; c < cells; c += 32) count[c] = 0;
+  __syncwarp();
+}
+
+#endif  // MMDEFORM_TMA_HOPPER_DEVICE
+
+template <typename scalar_t, int kChunkBytes, typename Sink, bool kGather>
 __global__ void __launch_bounds__(kMaxThreads, min_blocks_per_multiprocessor<scalar_t>())
     backward_kernel(
     const __grid_constant__ CUtensorMap value_map, const __grid_constant__ Problem<scalar_t> p,
@@ -53,7 +193,15 @@ __global__ void __launch_bounds__(kMaxThreads, min_blocks_per_multiprocessor<sca
   const int num_tiles = p.num_items / (p.queries * p.heads) * groups * p.heads;
   init_ring(ring, &value_map);
   if (threadIdx.x < 32) {
-    run_producer(p, ring, &value_map, groups, num_tiles);
+    if constexpr (kGather) {
+      int* count = gather_counters(ring);
+      for (int c = threadIdx.x; c < s.window_rows * s.window_cols; c += 32) count[c] = 0;
+      run_producer(p, ring, &value_map, groups, num_tiles, [&](const Tile& tile, const StageWindow& w, int stage) {
+        build_gather_index(p, ring, tile, w, stage);
+      });
+    } else {
+      run_producer(p, ring, &value_map, groups, num_tiles);
+    }
     return;
   }
 
@@ -97,11 +245,15 @@ __global__ void __launch_bounds__(kMaxThreads, min_blocks_per_multiprocessor<sca
         acc_t dot[4];
         const auto corners =
             load_point<scalar_t, VEC>(m, w.rows > 0, window, zeros, s, cl, lane_value, key_stride, row_stride);
+        const bool gathered = kGather && w.rows > 0 && m.cell >= 0;  // reduced per cell below
         use_corners<scalar_t, VEC>(corners, [&](int c, const acc_t (&v)[VEC]) {
           dot[c] = acc_t(0);
 #pragma unroll
           for (int k = 0; k < VEC; ++k) dot[c] = fma(go[k], v[k], dot[c]);
           if (!(m.valid & (1u << c))) return;
+          if constexpr (kGather) {
+            if (gathered) return;
+          }
           const acc_t weight = static_cast<acc_t>(m.weight[c]);
           acc_t contribution[VEC];
 #pragma unroll
@@ -124,6 +276,34 @@ __global__ void __launch_bounds__(kMaxThreads, min_blocks_per_multiprocessor<sca
         }
       }
     }
+    if constexpr (kGather) {
+      // Teams take the touched cells in turn; a lane sums its chunk of the cell's contributions
+      // in the index's order and reduces the sum once.
+      const int touched_cells = *gather_touched_count(ring, at.stage);
+      const uint32_t* touched = gather_touched(ring, at.stage);
+      const GatherEntry<coord_t>* entries = gather_entries(ring, at.stage);
+      const scalar_t* lane_grad = grad_output + cl.lane * VEC;
+#pragma unroll 1
+      for (int k = cl.team; k < touched_cells; k += cl.teams) {
+        const uint32_t here = touched[k], end = touched[k + 1] >> 16;
+        acc_t sum[VEC];
+#pragma unroll
+        for (int v = 0; v < VEC; ++v) sum[v] = acc_t(0);
+#pragma unroll 1
+        for (uint32_t e = here >> 16; e < end; ++e) {
+          const GatherEntry<coord_t> entry = entries[e];
+          acc_t g[VEC];
+          to_acc(load_vec<scalar_t, VEC>(lane_grad + static_cast<int64_t>(entry.row) * p.channels), g);
+          const acc_t weight = static_cast<acc_t>(entry.weight);
+#pragma unroll
+          for (int v = 0; v < VEC; ++v) sum[v] = fma(weight, g[v], sum[v]);
+        }
+        const int cell = static_cast<int>(here & 0xFFFFu);
+        const int64_t key = static_cast<int64_t>(w.key0) + (cell >> s.window_cols_log2) * w.width +
+                            (cell & (s.window_cols - 1));
+        sink.add(key * key_stride + head_offset, sum);
+      }
+    }
     mbarrier_arrive(ring.empty(at.stage));
     at.advance(p.levels, s.stages);
   }
@@ -140,14 +320,23 @@ Gradients backward(const ProblemTensors& problem, const at::Tensor& grad_output,
   const int element = static_cast<int>(problem.value.element_size());
   const int chunk_bytes = hopper::backward_chunk_bytes(static_cast<int>(problem.channels), element);
   const int meta_size = static_cast<int>(element == 8 ? sizeof(WindowPoint<double>) : sizeof(WindowPoint<float>));
-  const LaunchShape s = launch_shape(problem, config, chunk_bytes, meta_size, kMaxBackwardSlotsPerTeam, true);
+  const int entry_size = gather_built(element, chunk_bytes) ? static_cast<int>(sizeof(GatherEntry<float>)) : 0;
+  const LaunchShape s = launch_shape(problem, config, chunk_bytes, meta_size, kMaxBackwardSlotsPerTeam, true, entry_size);
   return run_backward(
       problem, grad_output, deterministic, "mmdeform_tma tma_ws backward",
       [&](auto sink, const auto* go, auto* grad_locations, auto* grad_weights) {
         using scalar_t = ScalarOf<decltype(go)>;
         hopper::with_backward_chunk<scalar_t>(static_cast<int>(problem.channels), [&](auto chunk) {
-          launch_persistent<scalar_t>(backward_kernel<scalar_t, decltype(chunk)::value, decltype(sink)>, problem, s, go,
-                                      sink, grad_locations, grad_weights);
+          constexpr int kChunk = decltype(chunk)::value;
+          if constexpr (gather_built(sizeof(scalar_t), kChunk)) {
+            if (s.gather) {
+              launch_persistent<scalar_t>(backward_kernel<scalar_t, kChunk, decltype(sink), true>, problem, s, go, sink,
+                                          grad_locations, grad_weights);
+              return;
+            }
+          }
+          launch_persistent<scalar_t>(backward_kernel<scalar_t, kChunk, decltype(sink), false>, problem, s, go, sink,
+                                      grad_locations, grad_weights);
         });
       });
 }

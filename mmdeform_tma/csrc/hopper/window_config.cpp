@@ -48,7 +48,7 @@ Config default_config(const ProblemTensors& problem, int team, bool backward) {
 }
 
 LaunchShape shape_for(const ProblemTensors& problem, const Config& config, int chunk_bytes, int meta_size,
-                      int max_slots_per_team) {
+                      int max_slots_per_team, int gather_entry_size) {
   LaunchShape s{};
   const int element = static_cast<int>(problem.value.element_size());
   s.row_bytes = static_cast<int>(problem.channels) * element;
@@ -73,13 +73,25 @@ LaunchShape shape_for(const ProblemTensors& problem, const Config& config, int c
     s.window_cols = kMinWindowCols;  // still sizes the zero block
     s.window_rows = 0;
   }
+  s.window_cols_log2 = log2_exact(s.window_cols);
   s.window_bytes = round128(s.window_rows * s.window_cols * s.row_bytes);
   s.meta_offset = s.window_bytes;
-  s.header_offset = s.meta_offset + round128(s.slots * static_cast<int>(problem.points) * meta_size);
+  const int stage_points = s.slots * static_cast<int>(problem.points);
+  s.header_offset = s.meta_offset + round128(stage_points * meta_size);
   s.stage_bytes = s.header_offset + 128;
+  // The index packs entry starts and cells into 16 bits each.
+  s.gather = config.gather && gather_entry_size > 0 && s.window_rows > 0 && 4 * stage_points < (1 << 16);
+  s.entry_size = s.gather ? gather_entry_size : 0;
+  s.entries_offset = s.touched_offset = s.stage_bytes;
+  const int cells = s.window_rows * s.window_cols;
+  if (s.gather) {
+    s.touched_offset = s.entries_offset + round128(4 * stage_points * gather_entry_size);
+    s.stage_bytes = s.touched_offset + round128((std::min(cells, 4 * stage_points) + 1) * 4);
+  }
   s.zero_offset = s.stages * s.stage_bytes;
   s.zero_bytes = round128((s.window_cols + 2) * s.row_bytes);
-  s.barrier_offset = s.zero_offset + s.zero_bytes;
+  s.scratch_offset = s.zero_offset + s.zero_bytes;
+  s.barrier_offset = s.scratch_offset + (s.gather ? round128(cells * 4) : 0);
   s.total_bytes = s.barrier_offset + round128(2 * s.stages * 8) + 128;  // + alignment slack
   return s;
 }
@@ -97,6 +109,11 @@ const std::vector<Config>& configs() {
                                 std::to_string(stages) + (window_kbytes ? "_w" + std::to_string(window_kbytes) : "_l1"),
                             consumer_warps, slots, stages, window_kbytes});
           }
+    // Backward only, after the shared ones so that those keep their indices; not measured yet, so
+    // the default never picks them. Two stages keep the 32-query tile at 3 CTAs per SM.
+    list.push_back({"c4_t32_s2_w16_g", 4, 32, 2, 16, true});
+    list.push_back({"c4_t32_s3_w16_g", 4, 32, 3, 16, true});
+    list.push_back({"c4_t64_s2_w16_g", 4, 64, 2, 16, true});
     return list;
   }();
   return all;
@@ -104,18 +121,26 @@ const std::vector<Config>& configs() {
 
 std::vector<std::string> config_names() {
   std::vector<std::string> names;
+  for (const auto& c : configs())
+    if (!c.gather) names.push_back(c.name);
+  return names;
+}
+
+std::vector<std::string> backward_config_names() {
+  std::vector<std::string> names;
   for (const auto& c : configs()) names.push_back(c.name);
   return names;
 }
 
 LaunchShape launch_shape(const ProblemTensors& problem, int64_t config, int chunk_bytes, int meta_size,
-                         int max_slots_per_team, bool backward) {
+                         int max_slots_per_team, bool backward, int gather_entry_size) {
   const int row_bytes = static_cast<int>(problem.channels * problem.value.element_size());
   const int limit = current_device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin);
   if (config >= 0) {
-    TORCH_CHECK(config < static_cast<int64_t>(configs().size()), "mmdeform_tma tma_ws: config ", num(config),
-                " out of range");
-    const LaunchShape s = shape_for(problem, configs()[config], chunk_bytes, meta_size, max_slots_per_team);
+    const int64_t count = static_cast<int64_t>(backward ? configs().size() : config_names().size());
+    TORCH_CHECK(config < count, "mmdeform_tma tma_ws: config ", num(config), " out of range");
+    const LaunchShape s =
+        shape_for(problem, configs()[config], chunk_bytes, meta_size, max_slots_per_team, backward ? gather_entry_size : 0);
     TORCH_CHECK(s.total_bytes <= limit, "mmdeform_tma tma_ws: config ", configs()[config].name, " needs ",
                 num(s.total_bytes), " bytes of shared memory for ", num(problem.points), " points per level; the GPU allows ",
                 num(limit));
@@ -124,7 +149,7 @@ LaunchShape launch_shape(const ProblemTensors& problem, int64_t config, int chun
   // Shrink the default until it fits: fewer stages, then smaller windows, then smaller tiles.
   Config c = default_config(problem, row_bytes / chunk_bytes, backward);
   for (;;) {
-    const LaunchShape s = shape_for(problem, c, chunk_bytes, meta_size, max_slots_per_team);
+    const LaunchShape s = shape_for(problem, c, chunk_bytes, meta_size, max_slots_per_team, 0);
     if (s.total_bytes <= limit) return s;
     if (c.stages > 2) {
       --c.stages;
@@ -144,7 +169,7 @@ LaunchShape launch_shape(const ProblemTensors& problem, int64_t config, int chun
 
 namespace {
 const KernelConfigRegistration kForward("tma_ws", "forward", config_names());
-const KernelConfigRegistration kBackward("tma_ws", "backward", config_names());
+const KernelConfigRegistration kBackward("tma_ws", "backward", backward_config_names());
 }  // namespace
 
 }  // namespace window

@@ -32,10 +32,14 @@ struct Config {
   int slots;          // queries per tile (a power of two); fewer when the team is too wide for it
   int stages;         // pipeline depth, in (tile, level) stages
   int window_kbytes;  // value-window budget per stage; 0 turns windows off (every point via L1)
+  bool gather = false;  // backward only: sum each window cell's contributions before reducing (below)
 };
 
 const std::vector<Config>& configs();
+// The forward's configs: every config but the gather ones, which come last, so that an index
+// means the same config in both directions.
 std::vector<std::string> config_names();
+std::vector<std::string> backward_config_names();  // all of configs()
 
 // What both roles need to agree on; computed on the host, passed by value.
 struct LaunchShape {
@@ -59,12 +63,23 @@ struct LaunchShape {
   int zero_offset, zero_bytes;  // zeros read in place of corners outside the level
   int barrier_offset;
   int total_bytes;
+  // Gather (backward configs with `gather`, when the kernel for the dtype is built): per stage, an
+  // index from window cells to the tile's corners; consumers sum each cell in registers and reduce
+  // once per touched cell. Per stage after the header: entries (4 per point, entry_size bytes each,
+  // grouped by cell) and the touched cells ((start << 16) | cell, then a sentinel start).
+  bool gather;
+  int window_cols_log2;
+  int entry_size;
+  int entries_offset;  // within a stage
+  int touched_offset;  // within a stage
+  int scratch_offset;  // the producer's per-cell counters (window_rows x window_cols ints)
 };
 
 // The geometry `config` gives for this problem (-1: the default heuristic); throws with the reason
-// when it cannot fit an SM.
+// when it cannot fit an SM. `gather_entry_size` > 0: the caller has a gather kernel, whose entries
+// take that many bytes; a gather config then lays out its index (otherwise it runs without one).
 LaunchShape launch_shape(const ProblemTensors& problem, int64_t config, int chunk_bytes, int meta_size,
-                         int max_slots_per_team, bool backward);
+                         int max_slots_per_team, bool backward, int gather_entry_size = 0);
 
 }  // namespace window
 }  // namespace hopper

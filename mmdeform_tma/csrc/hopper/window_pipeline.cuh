@@ -211,11 +211,18 @@ __device__ __forceinline__ WindowPoint<coord_t> point_geometry(int batch, int64_
   return m;
 }
 
-// One stage of the producer warp: metadata, window, TMA loads, arrival on full[stage].
-template <typename scalar_t>
+// What produce_stage runs between the window pass and its arrival: nothing, unless a kernel adds
+// its own per-stage work (the gather backward's cell index).
+struct NoStageWork {
+  __device__ __forceinline__ void operator()(const Tile&, const StageWindow&, int) const {}
+};
+
+// One stage of the producer warp: metadata, window, `work(t, w, stage)`, TMA loads, arrival on
+// full[stage].
+template <typename scalar_t, typename StageWork = NoStageWork>
 __device__ __forceinline__ void produce_stage(
     const Problem<scalar_t>& p, const Ring<coord_type<scalar_t>>& ring, const CUtensorMap* map, const Tile& t,
-    int level, int stage) {
+    int level, int stage, StageWork work = {}) {
   using coord_t = coord_type<scalar_t>;
   const LaunchShape& s = *ring.s;
   const int lane = threadIdx.x & 31;
@@ -286,6 +293,7 @@ __device__ __forceinline__ void produce_stage(
   }
   w.key0 = static_cast<int>(static_cast<int64_t>(t.batch) * p.num_keys + g.start + static_cast<int64_t>(wy0) * g.width + wx0);
   if (lane == 0) *ring.header(stage) = w;
+  work(t, w, stage);
 
   const uint32_t bytes = static_cast<uint32_t>(w.rows * s.window_cols * s.row_bytes);
   if (lane == 0) {
@@ -304,17 +312,17 @@ __device__ __forceinline__ void produce_stage(
 }
 
 // The producer warp's whole life: every stage of every tile of this CTA.
-template <typename scalar_t>
+template <typename scalar_t, typename StageWork = NoStageWork>
 __device__ __forceinline__ void run_producer(
     const Problem<scalar_t>& p, const Ring<coord_type<scalar_t>>& ring, const CUtensorMap* map, int groups,
-    int num_tiles) {
+    int num_tiles, StageWork work = {}) {
   const LaunchShape& s = *ring.s;
   StageCursor at{static_cast<int>(blockIdx.x), 0, 0, 0u};
   Tile t{};
   while (at.tile < num_tiles) {
     if (at.level == 0) t = tile_at(p, s, groups, at.tile);
     if (at.round > 0) mbarrier_wait(ring.empty(at.stage), (at.round - 1) & 1u);
-    produce_stage(p, ring, map, t, at.level, at.stage);
+    produce_stage(p, ring, map, t, at.level, at.stage, work);
     at.advance(p.levels, s.stages);
   }
 }
