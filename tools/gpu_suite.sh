@@ -7,6 +7,11 @@
 #   fuzz integration          tests/test_fuzz.py; tests/integrations/test_mmdet_gpu.py, test_mask2former_gpu.py
 #   sanitize                  compute-sanitizer memcheck, racecheck and synccheck (tools/sanitize_cases.py)
 #   bench graph               tools/benchmark_op.py (BENCH_ARGS); tools/cuda_graph_train_step.py
+#   e2e                       tools/benchmark_e2e.py per model (E2E_MODELS, E2E_ARGS): stock, auto and
+#                             auto on the fast path, AMP fp16, 3 interleaved rounds
+#   parity                    loss parity, eager against --fast: 100 iterations of tools/train.py per
+#                             model on the synthetic set (PARITY_MODELS), tools/compare_loss_curves.py,
+#                             then tools/test.py of the fast run's checkpoint, eager and --fast
 # Each step runs under `timeout`, so a hung kernel cannot take the whole run with it.
 set -u
 OUT=${OUT:-gpu_out}
@@ -59,5 +64,34 @@ if has graph; then
 fi
 if has bench; then
   run bench ${BENCH_TIMEOUT:-900} python3 tools/benchmark_op.py --out "$OUT/op" ${BENCH_ARGS:-}
+fi
+if has e2e; then
+  for model in ${E2E_MODELS:-deformable-detr dino-4scale}; do
+    config=configs/synthetic/${model}_r50_synthetic_tma-ws.py
+    [ -f "$config" ] || config=$model  # a config path
+    name=$(basename "$config" .py)
+    run "e2e_$name" ${E2E_TIMEOUT:-900} python3 tools/benchmark_e2e.py --config "$config" --backends stock auto \
+      --fast-backends auto --precisions amp-fp16 --repeats 3 --out "$OUT/e2e_$name" ${E2E_ARGS:-}
+  done
+fi
+if has parity; then
+  [ -d data/synthetic_coco ] || python3 tools/make_synthetic_coco.py --out data/synthetic_coco >/dev/null
+  options="train_cfg.max_epochs=1 default_hooks.logger.interval=1 default_hooks.checkpoint.interval=1 randomness.seed=0"
+  for model in ${PARITY_MODELS:-deformable-detr dino-4scale}; do
+    config=configs/synthetic/${model}_r50_synthetic_tma-ws.py
+    [ -f "$config" ] || config=$model  # a config path
+    model=$(basename "$config" .py)
+    run "train_${model}_eager" ${PARITY_TIMEOUT:-600} python3 tools/train.py "$config" --amp fp16 \
+      --work-dir "$OUT/work/$model-eager" --cfg-options $options
+    run "train_${model}_fast" ${PARITY_TIMEOUT:-600} python3 tools/train.py "$config" --amp fp16 --fast \
+      --work-dir "$OUT/work/$model-fast" --cfg-options $options
+    run "parity_$model" 120 python3 tools/compare_loss_curves.py "$OUT/work/$model-eager" "$OUT/work/$model-fast" \
+      --out "$OUT/loss_parity_$model"
+    for mode in eager fast; do
+      flag=$([ $mode = fast ] && echo --fast)
+      run "test_${model}_$mode" ${PARITY_TIMEOUT:-600} python3 tools/test.py "$config" "$OUT/work/$model-fast/epoch_1.pth" \
+        $flag --work-dir "$OUT/work/test-$model-$mode"
+    done
+  done
 fi
 exit $status
