@@ -108,23 +108,16 @@ def test_compile_transformer_layers_refuses_a_model_without_them():
         fast_training.compile_transformer_layers(torch.nn.Linear(2, 2))
 
 
-def without_dropout(model):
-    """Compiled graphs draw dropout masks in another order than eager; compare without them."""
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
-    return model
-
-
 def test_compiled_layers_train_as_eager():
-    """fullgraph=True: a graph break in a layer (e.g. in the MSDA module) fails here."""
+    """fullgraph=True: a graph break in a layer (e.g. in the MSDA module) fails here. aot_eager
+    draws dropout from the same generator in the same order as eager; inductor does not (the
+    GPU test turns dropout off)."""
     from benchmark_e2e import make_optim_wrapper, synthetic_batch
 
     torch._dynamo.reset()
     losses = {}
     for compiled in (False, True):
         model, cfg = tiny_model()
-        without_dropout(model)
         if compiled:
             fast_training.compile_transformer_layers(model, backend="aot_eager")
         optim = make_optim_wrapper(model, cfg, "fp32")

@@ -63,13 +63,9 @@ def test_fast_path_training_steps_match_the_default_path(mode):
     eager = train_losses("auto", "fp32", steps=3, dropout=False)
     fast = train_losses("auto", "fp32", steps=3, fast=dict(mode=mode), dropout=False)
     torch._dynamo.reset()
-    # Step 0 runs the same weights: compiled fp32 kernels round differently (1e-6), and near-tied
-    # Hungarian matches of a freshly initialised model can flip, moving one layer's class loss by
-    # a few percent; a wrong layer moves every loss.
-    for key in eager[0]:
-        assert fast[0][key] == pytest.approx(eager[0][key], rel=5e-2, abs=1e-3), (key, fast[0][key], eager[0][key])
     for step, (a, b) in enumerate(zip(fast, eager)):
-        assert a["loss"] == pytest.approx(b["loss"], rel=1e-2), (step, a["loss"], b["loss"])
+        for key in b:
+            assert a[key] == pytest.approx(b[key], rel=2e-3, abs=1e-4), (step, key, a[key], b[key])
     assert fast[0]["loss"] != fast[-1]["loss"]
 
 

@@ -190,7 +190,7 @@ __global__ void __launch_bounds__(kMaxThreads, min_blocks_per_multiprocessor<sca
   }
   const Ring<coord_t> ring{dynamic_smem, &s};
   const int groups = tile_groups(p, s);
-  const int num_tiles = p.num_items / (p.queries * p.heads) * groups * p.heads;
+  const int num_tiles = tile_count(p, groups);
   init_ring(ring, &value_map);
   if (threadIdx.x < 32) {
     if constexpr (kGather) {

@@ -23,6 +23,18 @@ __device__ __forceinline__ void poison_outputs(const Problem<scalar_t>& p, scala
   }
 }
 
+// False, with the output poisoned (loud, and nothing is read), when the level metadata is inconsistent.
+template <typename scalar_t>
+__device__ __forceinline__ bool level_metadata_ok(const Problem<scalar_t>& p, scalar_t* output) {
+  if (level_geometry_ok(p.spatial_shapes, p.level_start, p.levels, p.num_keys)) return true;
+  poison_outputs(p, output);
+  return false;
+}
+
+constexpr int kChunkBytes = 16;  // a lane's share of a corner row in the forward
+template <typename scalar_t>
+constexpr int kVec = kChunkBytes / static_cast<int>(sizeof(scalar_t));
+
 template <typename scalar_t>
 __global__ void __launch_bounds__(kMaxThreads, min_blocks_per_multiprocessor<scalar_t>()) forward_kernel(
     const __grid_constant__ CUtensorMap value_map, const __grid_constant__ Problem<scalar_t> p,
@@ -31,18 +43,14 @@ __global__ void __launch_bounds__(kMaxThreads, min_blocks_per_multiprocessor<sca
 #if MMDEFORM_TMA_HOPPER_DEVICE
   using coord_t = coord_type<scalar_t>;
   using acc_t = acc_type<scalar_t>;
-  constexpr int kChunkBytes = 16;
-  constexpr int VEC = kChunkBytes / static_cast<int>(sizeof(scalar_t));
+  constexpr int VEC = kVec<scalar_t>;
   constexpr int kSlots = max_forward_slots_per_team(VEC);
   extern __shared__ __align__(128) char dynamic_smem[];
 
-  if (!level_geometry_ok(p.spatial_shapes, p.level_start, p.levels, p.num_keys)) {
-    poison_outputs(p, output);  // inconsistent level metadata: loud, and nothing is read
-    return;
-  }
+  if (!level_metadata_ok(p, output)) return;
   const Ring<coord_t> ring{dynamic_smem, &s};
   const int groups = tile_groups(p, s);
-  const int num_tiles = p.num_items / (p.queries * p.heads) * groups * p.heads;
+  const int num_tiles = tile_count(p, groups);
   init_ring(ring, &value_map);
   if (threadIdx.x < 32) {
     run_producer(p, ring, &value_map, groups, num_tiles);
@@ -248,18 +256,14 @@ __global__ void __maxnreg__(lean_max_registers<scalar_t>()) forward_lean_kernel(
 #if MMDEFORM_TMA_HOPPER_DEVICE
   using coord_t = coord_type<scalar_t>;
   using acc_t = acc_type<scalar_t>;
-  constexpr int kChunkBytes = 16;
-  constexpr int VEC = kChunkBytes / static_cast<int>(sizeof(scalar_t));
+  constexpr int VEC = kVec<scalar_t>;
   constexpr int kSlots = max_forward_slots_per_team(VEC);
   extern __shared__ __align__(128) char dynamic_smem[];
 
-  if (!level_geometry_ok(p.spatial_shapes, p.level_start, p.levels, p.num_keys)) {
-    poison_outputs(p, output);  // inconsistent level metadata: loud, and nothing is read
-    return;
-  }
+  if (!level_metadata_ok(p, output)) return;
   const Ring<coord_t> ring{dynamic_smem, &s};
   const int groups = tile_groups(p, s);
-  const int num_tiles = p.num_items / (p.queries * p.heads) * groups * p.heads;
+  const int num_tiles = tile_count(p, groups);
   const uint32_t key_bytes = static_cast<uint32_t>(p.heads * s.row_bytes);
   const int n = s.slots * p.points;
   init_ring(ring, &value_map);
@@ -358,14 +362,12 @@ at::Tensor forward(const ProblemTensors& problem, int64_t config) {
   hopper::require_hopper("tma_ws");
   hopper::require_tma_channels(problem.value, "tma_ws");
   MMDEFORM_TMA_DISPATCH_VALUE_TYPES(problem.value.scalar_type(), "mmdeform_tma tma_ws forward", [&] {
-    constexpr int kVec = 16 / static_cast<int>(sizeof(scalar_t));
+    constexpr int kSlots = max_forward_slots_per_team(kVec<scalar_t>);
     using coord_t = coord_type<scalar_t>;
     auto* out = reinterpret_cast<scalar_t*>(output.data_ptr());
-    const LaunchShape s =
-        launch_shape(problem, config, 16, sizeof(WindowPoint<coord_t>), max_forward_slots_per_team(kVec), false);
+    const LaunchShape s = launch_shape(problem, config, kChunkBytes, sizeof(WindowPoint<coord_t>), kSlots, false);
     if (s.window_rows == 0 && lean_fits(problem)) {
-      const LaunchShape lean =
-          launch_shape(problem, config, 16, lean_meta_size<coord_t>(), max_forward_slots_per_team(kVec), false);
+      const LaunchShape lean = launch_shape(problem, config, kChunkBytes, lean_meta_size<coord_t>(), kSlots, false);
       launch_persistent<scalar_t>(forward_lean_kernel<scalar_t>, problem, lean, out);
     } else {
       launch_persistent<scalar_t>(forward_kernel<scalar_t>, problem, s, out);

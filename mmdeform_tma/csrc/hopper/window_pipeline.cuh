@@ -82,6 +82,12 @@ __device__ __forceinline__ int tile_groups(const Problem<scalar_t>& p, const Lau
   return groups;
 }
 
+// Tiles of a launch: every (batch, head) pair has `groups` of them.
+template <typename scalar_t>
+__device__ __forceinline__ int tile_count(const Problem<scalar_t>& p, int groups) {
+  return p.num_items / (p.queries * p.heads) * groups * p.heads;
+}
+
 // Tiles are numbered ((batch * groups) + group) * heads + head: CTAs running side by side share
 // a region of value across heads.
 template <typename scalar_t>
