@@ -37,7 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_common  # noqa: E402
-from synthetic_batches import batch_for_config, synthetic_batch  # noqa: E402,F401  (tests import it from here)
+from synthetic_batches import batch_for_config  # noqa: E402
 
 import mmdeform_tma  # noqa: E402
 

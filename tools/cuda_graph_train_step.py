@@ -35,7 +35,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchmark_e2e import build_model, make_optim_wrapper, synthetic_batch  # noqa: E402
+from benchmark_e2e import build_model, make_optim_wrapper  # noqa: E402
+from synthetic_batches import synthetic_batch  # noqa: E402
 
 import mmdeform_tma  # noqa: E402,F401  (MultiScaleDeformableAttention takes backend=)
 

@@ -112,7 +112,8 @@ def test_compiled_layers_train_as_eager():
     """fullgraph=True: a graph break in a layer (e.g. in the MSDA module) fails here. aot_eager
     draws dropout from the same generator in the same order as eager; inductor does not (the
     GPU test turns dropout off)."""
-    from benchmark_e2e import make_optim_wrapper, synthetic_batch
+    from benchmark_e2e import make_optim_wrapper
+    from synthetic_batches import synthetic_batch
 
     torch._dynamo.reset()
     losses = {}

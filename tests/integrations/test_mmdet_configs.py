@@ -36,7 +36,7 @@ def test_config_builds_its_model(path):
 
 
 def tiny_batch(num_classes=3, seed=0):
-    from benchmark_e2e import synthetic_batch
+    from synthetic_batches import synthetic_batch
 
     return synthetic_batch(2, 96, 128, num_classes, torch.device("cpu"), seed)
 

@@ -25,7 +25,8 @@ def skip_unless(backend, dtype=torch.float32):
 
 
 def train_losses(backend, precision, steps=2, fast=None, dropout=True):
-    from benchmark_e2e import build_model, make_optim_wrapper, synthetic_batch
+    from benchmark_e2e import build_model, make_optim_wrapper
+    from synthetic_batches import synthetic_batch
 
     device = torch.device("cuda")
     model, cfg = build_model(CONFIG, backend, device, seed=0, fast=fast)

@@ -16,7 +16,8 @@ TINY = str(ROOT / "configs/synthetic/deformable-detr_tiny_synthetic_cpu.py")
 
 @pytest.fixture(scope="module")
 def tiny():
-    from benchmark_e2e import build_model, synthetic_batch
+    from benchmark_e2e import build_model
+    from synthetic_batches import synthetic_batch
 
     model, cfg = build_model(TINY, "pytorch", torch.device("cpu"), seed=0)
     model.eval()
