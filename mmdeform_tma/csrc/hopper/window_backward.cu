@@ -326,16 +326,20 @@ Gradients backward(const ProblemTensors& problem, const at::Tensor& grad_output,
       problem, grad_output, deterministic, "mmdeform_tma tma_ws backward",
       [&](auto sink, const auto* go, auto* grad_locations, auto* grad_weights) {
         using scalar_t = ScalarOf<decltype(go)>;
+        // Named here: inside the nested `if constexpr`, gcc (the host pass) reads decltype(sink) as a
+        // reference, which instantiates a host stub the device pass never registered (the launch
+        // then fails with "invalid resource handle").
+        using Sink = std::remove_cvref_t<decltype(sink)>;
         hopper::with_backward_chunk<scalar_t>(static_cast<int>(problem.channels), [&](auto chunk) {
           constexpr int kChunk = decltype(chunk)::value;
           if constexpr (gather_built(sizeof(scalar_t), kChunk)) {
             if (s.gather) {
-              launch_persistent<scalar_t>(backward_kernel<scalar_t, kChunk, decltype(sink), true>, problem, s, go, sink,
+              launch_persistent<scalar_t>(backward_kernel<scalar_t, kChunk, Sink, true>, problem, s, go, sink,
                                           grad_locations, grad_weights);
               return;
             }
           }
-          launch_persistent<scalar_t>(backward_kernel<scalar_t, kChunk, decltype(sink), false>, problem, s, go, sink,
+          launch_persistent<scalar_t>(backward_kernel<scalar_t, kChunk, Sink, false>, problem, s, go, sink,
                                       grad_locations, grad_weights);
         });
       });
