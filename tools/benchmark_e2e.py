@@ -19,12 +19,17 @@ durations), kernel launches (cudaLaunch*/cuLaunch* calls), host synchronisations
 (cudaStreamSynchronize, cudaDeviceSynchronize, cudaEventSynchronize, synchronous cudaMemcpy),
 scalar reads (aten::_local_scalar_dense: .item(), bool(tensor), ...) and the MSDA kernels' share of
 the kernel time, all per iteration. Against the un-profiled wall time: 'GPU/wall' below
-BOUND_THRESHOLD means the GPU idles while the host works, i.e. the run is host-bound.
+BOUND_THRESHOLD means the GPU idles while the host works, i.e. the run is host-bound. The same
+trace splits the host's iteration into phases (data preprocessor, backbone and neck, transformer,
+head and loss with the assigner inside it, backward, optimizer step): each phase's host time,
+launches, synchronisations and scalar reads, so a host-bound run shows where the host goes.
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
+import contextlib
 import copy
 import re
 import statistics
@@ -47,6 +52,8 @@ MSDA_KERNELS = re.compile(r"mmdeform_tma|portable::|tma_kernel|tma_ws_kernel|tma
 # point-sampled mask loss runs grid_sampler too)
 REFERENCE_MSDA_KERNELS = re.compile(MSDA_KERNELS.pattern + "|grid_sampler")
 STEP_RANGE = "benchmark_e2e::train_step"
+PHASE_PREFIX = "benchmark_e2e::phase::"  # the record_function ranges of phase_targets()
+NESTED_PHASES = ("assigner",)  # inside 'head + loss': not added again to the iteration's sum
 LAUNCH_PREFIXES = ("cudaLaunch", "cuLaunch", "cudaGraphLaunch")
 HOST_SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
 SCALAR_READ = "aten::_local_scalar_dense"  # what .item(), bool(tensor) and friends run
@@ -137,7 +144,99 @@ def iteration_breakdown(events: list[TraceEvent], msda_kernels: re.Pattern = MSD
         "sync_calls": syncs,
         "scalar_reads": host[SCALAR_READ] / n,
         "msda_share_pct": 100.0 * msda_us / kernel_us if kernel_us else None,
+        "host_phases": phase_breakdown(events, steps),
     }
+
+
+def host_counts(names) -> dict:
+    names = list(names)
+    return {
+        "launches": sum(name.startswith(LAUNCH_PREFIXES) for name in names),
+        "syncs": sum(name in HOST_SYNC_CALLS for name in names),
+        "scalar_reads": sum(name == SCALAR_READ for name in names),
+    }
+
+
+def phase_breakdown(events: list[TraceEvent], steps: list[tuple[float, float]]) -> dict:
+    """Per iteration, for each phase range (PHASE_PREFIX) and for the rest of the step ('other'):
+    host ms, and the launches, synchronisations and scalar reads that started inside it. A range
+    covers every thread's events in its time span (the backward's launches run on autograd's).
+    Profiling slows the host, so the times are larger than un-profiled ones; the shares hold."""
+    host = sorted((e for e in events if not e.on_device and not e.name.startswith((STEP_RANGE, PHASE_PREFIX))), key=lambda e: e.start_us)
+    starts = [e.start_us for e in host]
+
+    def inside(start: float, end: float) -> list[str]:
+        return [e.name for e in host[bisect.bisect_left(starts, start) : bisect.bisect_right(starts, end)]]
+
+    n = len(steps)
+    phases: dict[str, dict] = {}
+    top_level_spans = []
+    for e in events:
+        if e.on_device or not e.name.startswith(PHASE_PREFIX):
+            continue
+        label = e.name[len(PHASE_PREFIX):]
+        end = e.start_us + e.duration_us
+        totals = phases.setdefault(label, {"host_ms": 0.0, "calls": 0, **host_counts([])})
+        totals["host_ms"] += e.duration_us / 1e3
+        totals["calls"] += 1
+        for key, value in host_counts(inside(e.start_us, end)).items():
+            totals[key] += value
+        if label not in NESTED_PHASES:
+            top_level_spans.append((e.start_us, end))
+    if not phases:
+        return {}
+    step_ms = sum(end - start for start, end in steps) / 1e3
+    other = {"host_ms": step_ms - sum(v["host_ms"] for k, v in phases.items() if k not in NESTED_PHASES), "calls": n}
+    in_phases = Counter()
+    for start, end in top_level_spans:
+        in_phases.update(host_counts(inside(start, end)))
+    for key, value in host_counts(name for start, end in steps for name in inside(start, end)).items():
+        other[key] = value - in_phases[key]
+    phases["other"] = other
+    return {label: {key: value / n for key, value in totals.items()} for label, totals in phases.items()}
+
+
+def phase_targets(model, optim_wrapper) -> list[tuple[str, object, str]]:
+    """(label, object, method name) of the training step's phases this model has: mmdet's
+    detectors call these through attribute lookups, so wrapping them on the instance times them."""
+    head = getattr(model, "bbox_head", None) or getattr(model, "panoptic_head", None)
+    candidates = [
+        ("data preprocessor", getattr(model, "data_preprocessor", None), "forward"),
+        ("backbone + neck", model, "extract_feat"),
+        ("transformer", model, "forward_transformer"),
+        ("head + loss", head, "loss"),
+        ("assigner", getattr(head, "assigner", None), "assign"),
+        ("backward", optim_wrapper, "backward"),
+        ("optimizer step", optim_wrapper, "step"),
+        ("zero grad", optim_wrapper, "zero_grad"),
+    ]
+    return [(label, obj, name) for label, obj, name in candidates if obj is not None and callable(getattr(obj, name, None))]
+
+
+@contextlib.contextmanager
+def phase_ranges(targets: list[tuple[str, object, str]]):
+    """Wraps each target method, on its instance only, in a record_function range."""
+    from torch.profiler import record_function
+
+    patched = []
+    try:
+        for label, obj, name in targets:
+            original = getattr(obj, name)
+
+            def timed(*args, _original=original, _range=PHASE_PREFIX + label, **kwargs):
+                with record_function(_range):
+                    return _original(*args, **kwargs)
+
+            had_own = name in vars(obj)
+            patched.append((obj, name, had_own, vars(obj).get(name)))
+            setattr(obj, name, timed)
+        yield
+    finally:
+        for obj, name, had_own, own in reversed(patched):
+            if had_own:
+                setattr(obj, name, own)
+            else:
+                delattr(obj, name)
 
 
 def trace_events(function_events) -> list[TraceEvent]:
@@ -153,12 +252,15 @@ def trace_events(function_events) -> list[TraceEvent]:
     return events
 
 
-def profile_iterations(step, iters: int, device: torch.device, msda_kernels: re.Pattern = MSDA_KERNELS) -> dict:
-    """iteration_breakdown of `iters` profiled steps; on the CPU only the host counts mean anything."""
+def profile_iterations(
+    step, iters: int, device: torch.device, msda_kernels: re.Pattern = MSDA_KERNELS, phases: list | None = None
+) -> dict:
+    """iteration_breakdown of `iters` profiled steps, with the host time of `phases`
+    (phase_targets); on the CPU only the host counts mean anything."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
+    with phase_ranges(phases or []), profile(activities=activities) as prof:
         for _ in range(iters):
             with record_function(STEP_RANGE):
                 step()
@@ -187,6 +289,7 @@ class Result:
     host_syncs: float | None = None
     sync_calls: dict = field(default_factory=dict)
     scalar_reads: float | None = None
+    host_phases: dict = field(default_factory=dict)  # label -> host_ms, launches, syncs, scalar_reads
     gpu_over_wall_pct: float | None = None
     bound: str | None = None  # 'host' or 'GPU'
     losses: list = field(default_factory=list)
@@ -222,7 +325,8 @@ def run_one(args, backend: str, precision: str, device: torch.device, fast: bool
     if device.type == "cuda":
         result.peak_memory_mb = torch.cuda.max_memory_allocated(device) / 2**20
     msda_kernels = REFERENCE_MSDA_KERNELS if backend == "pytorch" else MSDA_KERNELS
-    breakdown = profile_iterations(train_step, min(args.profile_iters, args.iters), device, msda_kernels)
+    phases = phase_targets(model, optim_wrapper)
+    breakdown = profile_iterations(train_step, min(args.profile_iters, args.iters), device, msda_kernels, phases)
     for key, value in breakdown.items():
         setattr(result, key, value)
     if result.gpu_kernel_ms is not None:
@@ -365,6 +469,14 @@ def summarize_runs(results: list[Result]) -> list[dict]:
             "peak_memory_mb", "msda_share_pct", "max_loss_rel_diff_vs_mmcv",
         ):
             row[key] = median_or_none([getattr(r, key) for r in good])
+        labels = list(dict.fromkeys(label for r in good for label in r.host_phases))
+        row["host_phases"] = {
+            label: {
+                key: median_or_none([r.host_phases[label][key] for r in good if label in r.host_phases])
+                for key in ("host_ms", "launches", "syncs", "scalar_reads")
+            }
+            for label in labels
+        }
         row["bound"] = None if row["gpu_over_wall_pct"] is None else (
             "GPU" if row["gpu_over_wall_pct"] >= 100 * BOUND_THRESHOLD else "host"
         )
@@ -401,8 +513,29 @@ def table(results: list[Result]) -> tuple[list[str], list[list[object]]]:
     return header, rows
 
 
+def phase_table(results: list[Result]) -> tuple[list[str], list[list[object]]]:
+    """Host time per training iteration by phase: 'ms (launches / syncs)' per variant."""
+    summary = [r for r in summarize_runs(results) if not r["error"] and r.get("host_phases")]
+    labels = list(dict.fromkeys(label for r in summary for label in r["host_phases"]))
+    if not labels:
+        return [], []
+    header = ["variant", "precision", *labels]
+    rows = []
+    for r in summary:
+        cells = []
+        for label in labels:
+            phase = r["host_phases"].get(label)
+            cells.append("-" if phase is None else f"{phase['host_ms']:.1f} ({phase['launches']:.0f} / {phase['syncs']:.0f})")
+        rows.append([r["label"], r["precision"], *cells])
+    return header, rows
+
+
 def format_table(results: list[Result]) -> str:
-    return bench_common.console_table(*table(results))
+    text = bench_common.console_table(*table(results))
+    header, rows = phase_table(results)
+    if rows:
+        text += "\n\nHost ms per iteration by phase (launches / syncs), profiled:\n" + bench_common.console_table(header, rows)
+    return text
 
 
 def write_outputs(prefix: Path, env: dict, results: list[Result]) -> None:
@@ -433,11 +566,29 @@ def write_outputs(prefix: Path, env: dict, results: list[Result]) -> None:
                 "the GPU waits for the host.",
                 "",
                 bench_common.markdown_table(header, rows),
+                *phase_section(results),
             ]
         )
         + "\n"
     )
     plot(prefix.with_suffix(".png"), env, results)
+
+
+def phase_section(results: list[Result]) -> list[str]:
+    header, rows = phase_table(results)
+    if not rows:
+        return []
+    return [
+        "",
+        "## Where the host's iteration goes",
+        "",
+        "Host milliseconds per training iteration in each phase, with the kernel launches and host "
+        "synchronisations issued inside it, from the profiled iterations (the profiler slows the host, so "
+        "these times exceed the un-profiled ones; the shares hold). 'assigner' is part of 'head + loss'; "
+        "'other' is the rest of the step (mmdet's train_step around the phases).",
+        "",
+        bench_common.markdown_table(header, rows),
+    ]
 
 
 def plot(path: Path, env: dict, results: list[Result]) -> None:

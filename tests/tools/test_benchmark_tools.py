@@ -79,8 +79,12 @@ def test_benchmark_e2e_cpu_smoke(tmp_path):
         assert r["max_loss_rel_diff_vs_mmcv"] < 1e-6  # the reference is mmcv's own CPU path
         assert r["scalar_reads"] > 0  # mmdet's losses and assigner read scalars every iteration
         assert r["gpu_kernel_ms"] is None and r["host_syncs"] is None and r["bound"] is None  # no device on the CPU
+        phases = r["host_phases"]
+        assert {"data preprocessor", "backbone + neck", "transformer", "head + loss", "assigner", "backward", "other"} <= set(phases)
+        assert phases["assigner"]["host_ms"] < phases["head + loss"]["host_ms"] and phases["head + loss"]["scalar_reads"] > 0
     markdown = (tmp_path / "e2e.md").read_text()
     assert (tmp_path / "e2e.png").exists() and "| variant |" in markdown and "GPU/wall %" in markdown
+    assert "Where the host's iteration goes" in markdown and "| variant | precision | data preprocessor | backbone + neck |" in markdown
 
 
 def test_benchmark_e2e_fast_rows_and_interleaved_repeats(tmp_path):
@@ -151,6 +155,60 @@ def test_iteration_breakdown_counts_per_step_inside_the_step_ranges():
     assert got["sync_calls"] == {"cudaStreamSynchronize": 1, "cudaDeviceSynchronize": 0, "cudaEventSynchronize": 0, "cudaMemcpy": 0.5}
     assert got["host_syncs"] == 1.5 and got["scalar_reads"] == 2
     assert got["msda_share_pct"] == pytest.approx(100 * 30 / 160)
+
+
+def test_phase_breakdown_splits_the_host_iteration():
+    import benchmark_e2e
+
+    step, phase = benchmark_e2e.STEP_RANGE, benchmark_e2e.PHASE_PREFIX
+    events = []
+    for start in (0, 1000):  # per step (1000 us): head + loss 400 us with the assigner (100 us) inside, backward 300 us
+        events += [trace(step, start, 1000), trace(phase + "head + loss", start + 100, 400), trace(phase + "assigner", start + 200, 100)]
+        events += [trace(phase + "backward", start + 600, 300)]
+        events += [trace("cudaLaunchKernel", start + 150, 1), trace("cudaStreamSynchronize", start + 250, 5)]  # assigner: 1 sync
+        events += [trace("aten::_local_scalar_dense", start + 260, 1)]
+        events += [trace("cudaLaunchKernel", start + 700 + i, 1) for i in range(3)]  # backward: 3 launches
+        events += [trace("cudaLaunchKernel", start + 50, 1)]  # outside every phase: 'other'
+    got = benchmark_e2e.phase_breakdown(events, [(0, 1000), (1000, 2000)])
+    assert got["head + loss"] == {"host_ms": 0.4, "calls": 1, "launches": 1, "syncs": 1, "scalar_reads": 1}
+    assert got["assigner"] == {"host_ms": 0.1, "calls": 1, "launches": 0, "syncs": 1, "scalar_reads": 1}
+    assert got["backward"] == {"host_ms": 0.3, "calls": 1, "launches": 3, "syncs": 0, "scalar_reads": 0}
+    # the nested assigner is not subtracted twice
+    assert got["other"] == {"host_ms": pytest.approx(0.3), "calls": 1, "launches": 1, "syncs": 0, "scalar_reads": 0}
+    assert benchmark_e2e.phase_breakdown(events[:1], [(0, 1000)]) == {}  # no phase ranges: nothing to split
+
+
+def test_phase_ranges_time_instance_methods_and_restore_them():
+    import benchmark_e2e
+
+    class Head:
+        def loss(self, x):
+            return x.sum().item()
+
+    head, other = Head(), Head()
+    x = torch.ones(4)
+    targets = [("head + loss", head, "loss")]
+    got = benchmark_e2e.profile_iterations(lambda: head.loss(x), 2, torch.device("cpu"), phases=targets)
+    assert got["host_phases"]["head + loss"]["calls"] == 1 and got["host_phases"]["head + loss"]["scalar_reads"] == 1
+    assert got["host_phases"]["other"]["scalar_reads"] == 0
+    assert "loss" not in vars(head) and head.loss(x) == 4.0 and other.loss(x) == 4.0  # the class method again
+
+
+def test_phase_targets_of_a_detr_like_model():
+    from types import SimpleNamespace
+
+    import benchmark_e2e
+
+    class Detector:
+        data_preprocessor = SimpleNamespace(forward=lambda *a: a)
+        bbox_head = SimpleNamespace(loss=lambda *a: a, assigner=SimpleNamespace(assign=lambda *a: a))
+
+        def extract_feat(self, x):
+            return x
+
+    wrapper = SimpleNamespace(backward=lambda loss: None, step=lambda: None, zero_grad=lambda: None)
+    labels = [label for label, _, _ in benchmark_e2e.phase_targets(Detector(), wrapper)]
+    assert labels == ["data preprocessor", "backbone + neck", "head + loss", "assigner", "backward", "optimizer step", "zero grad"]
 
 
 def test_trace_events_drop_the_gpu_copies_of_annotations():
