@@ -111,7 +111,7 @@ def compile_command(source: Path, gencode: list[str], setup, shim: list[str]) ->
         "-o",
         os.devnull,
         *setup.NVCC_FLAGS,
-        "-std=c++20",
+        "-std=c++17",  # what torch 2.11 (the GPU machine's) passes nvcc: the oldest standard the sources must build with
         *setup.cuda_defines(arch_names),
         *gencode,
         "-Xptxas=-v",

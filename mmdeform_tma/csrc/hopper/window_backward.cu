@@ -329,7 +329,7 @@ Gradients backward(const ProblemTensors& problem, const at::Tensor& grad_output,
         // Named here: inside the nested `if constexpr`, gcc (the host pass) reads decltype(sink) as a
         // reference, which instantiates a host stub the device pass never registered (the launch
         // then fails with "invalid resource handle").
-        using Sink = std::remove_cvref_t<decltype(sink)>;
+        using Sink = std::decay_t<decltype(sink)>;
         hopper::with_backward_chunk<scalar_t>(static_cast<int>(problem.channels), [&](auto chunk) {
           constexpr int kChunk = decltype(chunk)::value;
           if constexpr (gather_built(sizeof(scalar_t), kChunk)) {
