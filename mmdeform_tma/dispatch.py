@@ -82,7 +82,7 @@ def select(name: str, inputs: MSDAInputs) -> Selection:
     if not compiled:
         return Selection(BACKENDS[able[0]], BACKENDS[able[0]])
     forward = tuning.fastest_backend("forward", inputs, compiled)
-    backward = tuning.fastest_backend("backward", inputs, compiled) if inputs.needs_grad else forward
+    backward = tuning.fastest_backend(tuning.backward_direction(), inputs, compiled) if inputs.needs_grad else forward
     return Selection(BACKENDS[forward], BACKENDS[backward])
 
 

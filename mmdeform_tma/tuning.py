@@ -8,7 +8,10 @@ the GPU's name and compute capability. Here:
   - `kernel_config` gives the `config` index of a backend's fastest variant (-1: the kernel's own
     heuristic).
 Both answer for shapes the table lacks from the nearest measured shape (`distance`), never from a
-fixed order. A measurement counts only through configs this build compiles: one whose configs
+fixed order. Under `torch.use_deterministic_algorithms(True)` the backward runs fixed-point sums
+whose fastest variants differ (the gather configs: 2.2 ms where the fast path's config takes 7.1
+on the fp16 DETR encoder, H100): that direction, `backward-deterministic`, is tuned apart, and
+where nothing of it was measured the fast backward's choices stand. A measurement counts only through configs this build compiles: one whose configs
 are all gone was of kernels since replaced, and is ignored until the table is tuned again. A GPU
 without a table of its own uses the tables of GPUs of its compute capability (an H200 reads the
 H100's); a fixed order remains only where nothing of its architecture was measured. `MMDEFORM_TMA_TUNING_TABLE=/path/table.json` adds a table of your own (it wins on equal
@@ -31,6 +34,7 @@ from ._extension import device_capability, device_name, kernel_configs
 from .inputs import MSDAInputs
 
 TABLE_DIR = Path(__file__).with_name("tuning_tables")
+DETERMINISTIC_BACKWARD = "backward-deterministic"  # a table direction; its kernels are the backward's
 TABLE_FORMAT = 1
 ELEMENT_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
 
@@ -132,9 +136,20 @@ def measurements(device: str, capability: tuple[int, int]) -> Entries:
     return merged
 
 
+def kernel_direction(direction: str) -> str:
+    """The direction whose compiled configs a table direction ranks."""
+    return "backward" if direction == DETERMINISTIC_BACKWARD else direction
+
+
+def backward_direction() -> str:
+    """The table direction of a backward run now: the deterministic one under
+    torch.use_deterministic_algorithms(True), which the backward kernels read when they run."""
+    return DETERMINISTIC_BACKWARD if torch.are_deterministic_algorithms_enabled() else "backward"
+
+
 def compiled_ranking(ranked: list[tuple[str, float]], backend: str, direction: str) -> list[tuple[str, float]]:
     """A measured ranking without the configs this build does not compile."""
-    names = kernel_configs(backend, direction)
+    names = kernel_configs(backend, kernel_direction(direction))
     return [(config, ms) for config, ms in ranked if config in names]
 
 
@@ -162,6 +177,8 @@ def nearest_times(
 @torch.compiler.assume_constant_result
 def _fastest(device: str, capability: tuple[int, int], key: str, direction: str, candidates: tuple[str, ...]) -> str:
     found = nearest_times(device, capability, key, direction, candidates)
+    if found is None and direction == DETERMINISTIC_BACKWARD:
+        found = nearest_times(device, capability, key, "backward", candidates)
     if found is None:
         return candidates[0]
     times = found[1]
@@ -197,7 +214,9 @@ def ranked_configs(device: str, capability: tuple[int, int], key: str, backend: 
 @torch.compiler.assume_constant_result
 def _best_config(device: str, capability: tuple[int, int], key: str, backend: str, direction: str) -> int:
     ranked = ranked_configs(device, capability, key, backend, direction)
-    return kernel_configs(backend, direction).index(ranked[0]) if ranked else -1
+    if not ranked and direction == DETERMINISTIC_BACKWARD:
+        ranked = ranked_configs(device, capability, key, backend, "backward")
+    return kernel_configs(backend, kernel_direction(direction)).index(ranked[0]) if ranked else -1
 
 
 def kernel_config(backend: str, direction: str, inputs: MSDAInputs) -> int:

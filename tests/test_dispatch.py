@@ -84,7 +84,10 @@ class TestAutoOnAGpu:
             for key, times in {
                 # decoder-sized: tma_ws forward, cuda backward; encoder-sized: cuda forward, tma_ws backward
                 "float16/h2/c32/l2/p2/w4": {("tma_ws", "forward"): 0.02, ("cuda", "forward"): 0.03, ("tma_ws", "backward"): 0.09, ("cuda", "backward"): 0.08},
-                "float16/h2/c32/l2/p2/w16": {("tma_ws", "forward"): 0.4, ("cuda", "forward"): 0.2, ("tma_ws", "backward"): 1.0, ("cuda", "backward"): 1.1},
+                "float16/h2/c32/l2/p2/w16": {
+                    ("tma_ws", "forward"): 0.4, ("cuda", "forward"): 0.2, ("tma_ws", "backward"): 1.0, ("cuda", "backward"): 1.1,
+                    ("tma_ws", "backward-deterministic"): 7.0, ("cuda", "backward-deterministic"): 6.7,
+                },
             }.items()
             for (backend, direction), ms in times.items()
         ]
@@ -109,6 +112,16 @@ class TestAutoOnAGpu:
     def test_each_direction_takes_its_fastest_backend(self, generator):
         assert self.select(generator, queries=10) == ("tma_ws", "cuda")  # w4, measured
         assert self.select(generator, queries=40000) == ("cuda", "tma_ws")  # w16, measured
+
+    def test_the_deterministic_backward_takes_its_own_fastest(self, generator):
+        before = torch.are_deterministic_algorithms_enabled()
+        try:
+            torch.use_deterministic_algorithms(True)
+            assert self.select(generator, queries=40000) == ("cuda", "cuda")  # 6.7 against 7.0 deterministic
+            assert self.select(generator, queries=10) == ("tma_ws", "cuda")  # the nearest deterministic times
+        finally:
+            torch.use_deterministic_algorithms(before)
+        assert self.select(generator, queries=40000) == ("cuda", "tma_ws")
 
     def test_without_a_backward_the_backward_is_the_forward_s(self, generator):
         assert self.select(generator, queries=10, requires_grad=False) == ("tma_ws", "tma_ws")

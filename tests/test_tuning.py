@@ -28,6 +28,9 @@ SYNTHETIC = [
     entry("float16/h8/c32/l4/p4/w16", "tma_ws", "backward", ("ws_b", 1.0)),
     entry("float16/h8/c32/l4/p4/w16", "cuda", "backward", ("cu_b", 1.05)),
     entry("float32/h8/c32/l4/p4/w16", "tma", "forward", ("s2", 0.5)),
+    # the deterministic backward, measured at the encoder only: tma_ws's gather config wins there
+    entry("float16/h8/c32/l4/p4/w16", "tma_ws", "backward-deterministic", ("ws_g", 2.2), ("ws_b", 7.0)),
+    entry("float16/h8/c32/l4/p4/w16", "cuda", "backward-deterministic", ("cu_b", 6.7)),
 ]
 
 
@@ -35,7 +38,8 @@ def compiled_names(entries):
     """Every config the entries name, as if this build compiled them all."""
     names = {}
     for e in entries:
-        names.setdefault((e["backend"], e["direction"]), {}).update(dict.fromkeys(c["config"] for c in e["best"]))
+        direction = tuning.kernel_direction(e["direction"])
+        names.setdefault((e["backend"], direction), {}).update(dict.fromkeys(c["config"] for c in e["best"]))
     return {k: tuple(v) for k, v in names.items()}
 
 
@@ -102,6 +106,43 @@ def test_measurements_of_kernels_this_build_lacks_are_ignored(table, monkeypatch
     monkeypatch.setattr(_extension, "_kernel_configs", lambda backend, direction: ())
     tuning.clear_caches()
     assert fastest("float16/h8/c32/l4/p4/w16", "forward") == "tma_ws"  # nothing valid measured: the candidates' order
+
+
+def test_the_deterministic_backward_is_tuned_apart_and_falls_back_to_the_fast_one(table):
+    det = tuning.DETERMINISTIC_BACKWARD
+    names = _extension.kernel_configs("tma_ws", "backward")
+    assert "ws_g" in names  # a deterministic ranking names backward configs
+    best = lambda key, backend, direction: tuning._best_config(GPU, CAPABILITY, key, backend, direction)  # noqa: E731
+    assert best("float16/h8/c32/l4/p4/w16", "tma_ws", det) == names.index("ws_g")
+    assert best("float16/h8/c32/l4/p4/w16", "tma_ws", "backward") == names.index("ws_b")
+    # fp32 has no deterministic measurement of its layout: the fast backward's config (none here)
+    assert best("float32/h8/c32/l4/p4/w16", "tma_ws", det) == -1
+    assert fastest("float16/h8/c32/l4/p4/w16", det) == "tma_ws"
+    assert fastest("float16/h8/c32/l4/p4/w16", det, ("cuda", "tma")) == "cuda"
+
+
+def test_without_deterministic_measurements_the_fast_backward_decides(table):
+    det = tuning.DETERMINISTIC_BACKWARD
+    table.write_text(json.dumps({
+        "format": tuning.TABLE_FORMAT, "device": GPU, "capability": list(CAPABILITY),
+        "entries": [e for e in SYNTHETIC if e["direction"] != det],
+    }))
+    tuning.clear_caches()
+    assert tuning.nearest_times(GPU, CAPABILITY, "float16/h8/c32/l4/p4/w10", det, ALL) is None
+    assert fastest("float16/h8/c32/l4/p4/w10", det, ("cuda", "tma_ws")) == "tma_ws"  # 0.070 against 0.086
+    names = _extension.kernel_configs("tma_ws", "backward")
+    assert tuning._best_config(GPU, CAPABILITY, "float16/h8/c32/l4/p4/w16", "tma_ws", det) == names.index("ws_b")
+
+
+def test_backward_direction_follows_the_deterministic_flag():
+    before = torch.are_deterministic_algorithms_enabled()
+    try:
+        torch.use_deterministic_algorithms(True)
+        assert tuning.backward_direction() == tuning.DETERMINISTIC_BACKWARD
+        torch.use_deterministic_algorithms(False)
+        assert tuning.backward_direction() == "backward"
+    finally:
+        torch.use_deterministic_algorithms(before)
 
 
 def test_layout_differences_count_before_size():

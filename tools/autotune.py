@@ -32,9 +32,9 @@ from mmdeform_tma import _extension, tuning  # noqa: E402
 from mmdeform_tma.reference import ms_deform_attn_reference, ms_deform_attn_reference_backward  # noqa: E402
 
 ops = torch.ops.mmdeform_tma
-# The deterministic backward (fixed-point sums) of every config: timed and reported, not written
-# to the table (a call's backward config is the fast path's; this measures what determinism costs).
-DETERMINISTIC = "backward-deterministic"
+# The deterministic backward (fixed-point sums) of every config, a table direction of its own:
+# calls under torch.use_deterministic_algorithms(True) read it (mmdeform_tma.tuning).
+DETERMINISTIC = tuning.DETERMINISTIC_BACKWARD
 STANDARD_PRESETS = ["detr_enc_bs2", "detr_enc_bs8", "detr_dec_bs2", "dino_dec_bs2", "detr_enc_bs6_p8", "dino5_enc_bs2"]
 
 
@@ -142,7 +142,7 @@ def main(argv=None) -> int:
                         samples, mode = bench_common.time_calls(device, config_calls(backend, direction, index, input_sets), args.warmup, args.iters)
                         results.append({"config": config_name, **bench_common.summarize(samples), "timing": mode})
                     timed = sorted((r for r in results if "median_ms" in r), key=lambda r: r["median_ms"])
-                    if timed and direction != DETERMINISTIC:
+                    if timed:
                         entries[(key, backend, direction)] = {
                             "key": key,
                             "backend": backend,

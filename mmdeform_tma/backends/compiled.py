@@ -16,7 +16,8 @@ class CompiledKernelBackend(Backend):
 
     Autograd is the op's own (C++): the call carries the backward's backend and config, so the
     backward needs no lookup. Under torch.use_deterministic_algorithms(True), read when the
-    backward runs, it takes the fixed-point path. Non-contiguous inputs are copied by the op.
+    backward runs, it takes the fixed-point path; the config is then the deterministic backward's
+    tuned one (the flag is part of a call's plan key, `dispatch.signature`). Non-contiguous inputs are copied by the op.
     """
 
     devices = frozenset({"cuda"})
@@ -46,7 +47,7 @@ class CompiledKernelBackend(Backend):
     def launcher(self, inputs: MSDAInputs, backward: Backend) -> Launch:
         op = library.forward_op()
         name, config = self.name, tuning.kernel_config(self.name, "forward", inputs)
-        backward_name, backward_config = backward.name, tuning.kernel_config(backward.name, "backward", inputs)
+        backward_name, backward_config = backward.name, tuning.kernel_config(backward.name, tuning.backward_direction(), inputs)
         shapes, starts = on_device(inputs.spatial_shapes, inputs.device), on_device(inputs.level_start_index, inputs.device)
 
         def launch(value, spatial_shapes, level_start_index, sampling_locations, attention_weights):

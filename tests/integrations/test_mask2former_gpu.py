@@ -47,9 +47,8 @@ def train_losses(backend: str, precision: str, steps: int = 2) -> tuple[dict, ..
     return tuple(losses)
 
 
-def assert_finite(losses):
-    for step, values in enumerate(losses):
-        assert all(torch.isfinite(torch.tensor(v)) for v in values.values()), (step, values)
+def finite(losses) -> bool:
+    return all(torch.isfinite(torch.tensor(v)) for values in losses for v in values.values())
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -65,7 +64,9 @@ def test_fp32_training_step_matches_stock_mmcv(backend):
 def test_amp_fp16_training_step_is_finite_and_near_stock_fp32(backend):
     skip_unless(backend, torch.float16)
     losses = train_losses(backend, "amp-fp16")
-    assert_finite(losses)
+    if not finite(losses):  # say whether mmcv's own fp16 op shares the fault (the model's, then) or not (ours)
+        stock_fp16 = train_losses("stock", "amp-fp16")
+        pytest.fail(f"non-finite AMP fp16 losses with {backend}: {losses[0]}; stock mmcv in AMP fp16: {stock_fp16[0]}")
     stock = train_losses("stock", "fp32")[0]
     assert losses[0]["loss"] == pytest.approx(stock["loss"], rel=2e-2)
     for key in stock:  # each decoder layer's terms after its own Hungarian matching, hence looser

@@ -60,29 +60,28 @@ def test_training_step_matches_mmcv(backend):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5), key
 
 
-def largest_rel_diff(a_steps, b_steps, first=0):
-    return max(abs(a[k] - b[k]) / max(abs(b[k]), 1e-4) for a, b in zip(a_steps[first:], b_steps[first:]) for k in b)
+def largest_rel_diff(a_steps, b_steps):
+    """The largest relative difference of any loss term at any step."""
+    return max(abs(a[k] - b[k]) / max(abs(b[k]), 1e-4) for a, b in zip(a_steps, b_steps) for k in b)
 
 
 @pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
 def test_fast_path_training_steps_match_the_default_path(mode):
     """tools/train.py --fast: compiled transformer layers (inductor; CUDA graphs with
     reduce-overhead), fused AdamW, bucket padding (512x640 is a bucket already, so the inputs are
-    the same). The first step, before any update, gives the default path's losses to fp32
-    rounding. Later steps drift: Adam's first updates are about lr x sign(grad), so rounding-level
-    gradient differences move weights whose gradients are near zero by a whole step. That drift
-    is measured, not guessed: the default path from weights perturbed by 1e-6 (a few fp32 ulps)
-    sets the floor, and the fast path may drift at most 3x as far."""
+    the same). Losses move with rounding: the Hungarian matching of near-tied queries flips on
+    fp32-level differences (the first step, before any update, differed by 4.7e-4 in the last
+    layer's loss_cls on an H100), and Adam's first updates, about lr x sign(grad), move weights
+    with near-zero gradients by a whole step. So the drift is measured, not guessed: the default
+    path from weights perturbed by 1e-6 (a few fp32 ulps) sets the floor, and the fast path may
+    drift at most 3x as far. A wrong compiled layer moves the losses by far more than either."""
     skip_unless("cuda")  # auto runs a compiled backend
     torch._dynamo.reset()
     eager = train_losses("auto", "fp32", steps=3, dropout=False)
     nudged = train_losses("auto", "fp32", steps=3, dropout=False, perturb=1e-6)
     fast = train_losses("auto", "fp32", steps=3, fast=dict(mode=mode), dropout=False)
     torch._dynamo.reset()
-    for key in eager[0]:
-        assert fast[0][key] == pytest.approx(eager[0][key], rel=1e-4, abs=1e-5), (key, fast[0][key], eager[0][key])
-    floor = largest_rel_diff(nudged, eager, first=1)
-    drift = largest_rel_diff(fast, eager, first=1)
+    floor, drift = largest_rel_diff(nudged, eager), largest_rel_diff(fast, eager)
     assert drift <= 3 * floor + 1e-5, f"fast path drifts {drift:.2e} from eager; rounding-level noise drifts {floor:.2e}"
     assert fast[0]["loss"] != fast[-1]["loss"]
 
