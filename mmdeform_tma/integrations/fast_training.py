@@ -13,6 +13,13 @@ launched the next ones (docs/benchmarks.md). This path cuts host work with exist
   shapes are static per image-size bucket (below).
 - the optimizer's fused CUDA kernel (`fused=True`, torch's Adam/AdamW/SGD), which also lets AMP's
   GradScaler skip its per-step `found_inf.item()` synchronisation.
+- `MergedParamGroupsConstructor`: mmengine's default constructor with `paramwise_cfg` (every
+  DETR-family config: lower lr for the backbone and the sampling offsets) gives each parameter a
+  group of its own, and torch's foreach and fused optimizers launch per group: about 2,400 launches
+  per AdamW step of Deformable DETR (900 fused). Groups with equal settings are merged, so the
+  optimizer works on a few groups; each parameter keeps its learning rate and weight decay.
+  Resuming across the switch is refused by torch (the optimizer state has other groups); model
+  weights load either way.
 - `BatchBucketPad`: pads each batch up to the next multiple of `step` in height and width, so
   multi-scale training sees a few input shapes and compiled graphs are reused, not recompiled.
   Padding is what mmdet's `BatchFixedSizePad` does: masked out by the DETR models' padding masks.
@@ -24,6 +31,7 @@ the encoders' reference points, and mmengine's logging of every loss value.
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import torch
@@ -33,7 +41,9 @@ from mmdet.registry import MODELS
 from mmengine.hooks import Hook
 from mmengine.logging import print_log
 from mmengine.model import is_model_wrapper
+from mmengine.optim import DefaultOptimWrapperConstructor
 from mmengine.registry import HOOKS
+from mmdet.registry import OPTIM_WRAPPER_CONSTRUCTORS
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")
 DEFAULT_COMPILE_MODE = "default"
@@ -64,6 +74,31 @@ class BatchBucketPad(BatchFixedSizePad):
         # the parent pads to self.size; it is set per batch (one preprocessor per process thread)
         self.size = bucket_size(*inputs.shape[-2:], self.step)
         return super().forward(inputs, data_samples)
+
+
+def merge_param_groups(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """A new optimizer of the same class and defaults whose groups are `optimizer`'s merged by
+    equal settings, in order of first appearance. Call it before the first step (no state yet)."""
+    if optimizer.state:
+        raise ValueError("merge_param_groups: the optimizer has state already; merge before the first step")
+    merged: dict[tuple, dict] = {}
+    for group in optimizer.param_groups:
+        settings = {k: v for k, v in group.items() if k != "params"}
+        key = tuple(sorted((k, repr(v)) for k, v in settings.items()))
+        merged.setdefault(key, {**settings, "params": []})["params"].extend(group["params"])
+    # the constructor's own arguments only (torch's AdamW defaults hold Adam's decoupled_weight_decay)
+    accepted = inspect.signature(type(optimizer)).parameters
+    return type(optimizer)(list(merged.values()), **{k: v for k, v in optimizer.defaults.items() if k in accepted})
+
+
+@OPTIM_WRAPPER_CONSTRUCTORS.register_module()
+class MergedParamGroupsConstructor(DefaultOptimWrapperConstructor):
+    """mmengine's default constructor, then `merge_param_groups` on its optimizer."""
+
+    def __call__(self, model: torch.nn.Module):
+        optim_wrapper = super().__call__(model)
+        optim_wrapper.optimizer = merge_param_groups(optim_wrapper.optimizer)
+        return optim_wrapper
 
 
 def transformer_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
@@ -113,7 +148,8 @@ class CompileTransformerLayersHook(Hook):
 def fast_training_config(cfg, compile_mode: str = DEFAULT_COMPILE_MODE, bucket_step: int = DEFAULT_BUCKET_STEP):
     """`cfg` (an mmengine Config) switched to the fast path, in place; returns it.
 
-    Adds the compile hook, the fused optimizer and, unless the model pads to a fixed size already
+    Adds the compile hook, the fused optimizer with merged parameter groups (unless the config
+    names a constructor of its own) and, unless the model pads to a fixed size already
     (Mask2Former's large-scale jitter), bucket padding. Raises for an optimizer without a fused
     kernel rather than quietly leaving it unfused."""
     if compile_mode not in COMPILE_MODES:
@@ -138,6 +174,8 @@ def fast_training_config(cfg, compile_mode: str = DEFAULT_COMPILE_MODE, bucket_s
         )
     optimizer.fused = True
     optimizer.pop("foreach", None)  # torch refuses fused together with foreach
+    if cfg.optim_wrapper.get("constructor", "DefaultOptimWrapperConstructor") == "DefaultOptimWrapperConstructor":
+        cfg.optim_wrapper.constructor = "MergedParamGroupsConstructor"  # a custom one is left alone
 
     preprocessor = cfg.model.get("data_preprocessor", None)
     if preprocessor is not None:

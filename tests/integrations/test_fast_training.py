@@ -31,7 +31,60 @@ def test_fast_config_adds_compile_hook_fused_optimizer_and_buckets():
         dict(type="CompileTransformerLayersHook", mode="reduce-overhead")
     ]
     assert cfg.optim_wrapper.optimizer.type == "AdamW" and cfg.optim_wrapper.optimizer.fused is True
+    assert cfg.optim_wrapper.constructor == "MergedParamGroupsConstructor"
     assert dict(type="BatchBucketPad", step=64) in cfg.model.data_preprocessor.batch_augments
+
+
+def test_fast_config_leaves_a_custom_constructor_alone():
+    cfg = Config.fromfile(DETR)
+    cfg.optim_wrapper.constructor = "LayerDecayOptimWrapperConstructor"
+    fast_training.fast_training_config(cfg)
+    assert cfg.optim_wrapper.constructor == "LayerDecayOptimWrapperConstructor"
+
+
+def test_merged_param_groups_keep_every_parameter_s_settings_and_train_alike():
+    """The tiny DETR's paramwise_cfg (backbone and sampling offsets at lr x 0.1, as mmdet's) gives a
+    group per parameter; merged, a few groups remain, and a step from the same gradients moves every
+    parameter as the per-parameter groups do."""
+    from mmengine.optim import build_optim_wrapper
+
+    from synthetic_batches import synthetic_batch
+
+    settings, weights = {}, {}
+    for merged in (False, True):
+        model, cfg = tiny_model()
+        optim_cfg = copy.deepcopy(cfg.optim_wrapper)
+        if merged:
+            optim_cfg.constructor = "MergedParamGroupsConstructor"
+        optim = build_optim_wrapper(model, optim_cfg)
+        groups = optim.optimizer.param_groups
+        group_of = {id(p): group for group in groups for p in group["params"]}
+        settings[merged] = {
+            name: {k: v for k, v in group_of[id(p)].items() if k != "params"}
+            for name, p in model.named_parameters()
+            if id(p) in group_of
+        }
+        assert len(groups) <= 4 if merged else len(groups) == len(group_of) > 4
+        model.train()
+        torch.manual_seed(0)
+        model.train_step(synthetic_batch(2, 128, 128, 3, torch.device("cpu"), seed=0), optim)
+        weights[merged] = {name: p.detach().clone() for name, p in model.named_parameters()}
+    assert settings[True] == settings[False]
+    assert {g["lr"] for g in settings[True].values()} == {2e-4, 2e-5}
+    for name, value in weights[False].items():
+        torch.testing.assert_close(weights[True][name], value, rtol=0, atol=0, msg=name)
+
+
+def test_merging_refuses_an_optimizer_with_state():
+    w = torch.nn.Parameter(torch.ones(2))
+    optimizer = torch.optim.SGD([w], lr=0.1)
+    w.grad = torch.ones(2)
+    optimizer.step()
+    optimizer = torch.optim.Adam([w])
+    w.grad = torch.ones(2)
+    optimizer.step()
+    with pytest.raises(ValueError, match="first step"):
+        fast_training.merge_param_groups(optimizer)
 
 
 def test_fast_config_is_idempotent():
