@@ -205,3 +205,19 @@ def test_a_wrong_table_format_is_refused(tmp_path, monkeypatch):
     finally:
         monkeypatch.delenv("MMDEFORM_TMA_TUNING_TABLE")
         tuning.clear_caches()
+
+
+def test_backward_direction_traces_fullgraph_and_guards_on_the_flag():
+    """Compiled callers (the launcher under torch.compile) read the flag at trace time; dynamo must
+    recompile, not reuse the other mode's choice."""
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x: x * (2 if tuning.backward_direction() == "backward" else 3), fullgraph=True, backend="aot_eager")
+    before = torch.are_deterministic_algorithms_enabled()
+    try:
+        torch.use_deterministic_algorithms(False)
+        assert compiled(torch.ones(1)).item() == 2
+        torch.use_deterministic_algorithms(True)
+        assert compiled(torch.ones(1)).item() == 3
+    finally:
+        torch.use_deterministic_algorithms(before)
+        torch._dynamo.reset()

@@ -7,6 +7,8 @@
 #   fuzz integration          tests/test_fuzz.py; tests/integrations/test_mmdet_gpu.py, test_mask2former_gpu.py
 #   sanitize                  compute-sanitizer memcheck, racecheck and synccheck (tools/sanitize_cases.py)
 #   bench graph               tools/benchmark_op.py (BENCH_ARGS); tools/cuda_graph_train_step.py
+#   autotune                  tools/autotune.py over AUTOTUNE_BACKENDS (default tma_ws cuda), forward,
+#                             backward and the deterministic backward; rewrites this GPU's table
 #   e2e                       tools/benchmark_e2e.py per model (E2E_MODELS, E2E_ARGS): stock, auto and
 #                             auto on the fast path, AMP fp16, 3 interleaved rounds
 #   parity                    loss parity, eager against --fast: 100 iterations of tools/train.py per
@@ -61,6 +63,10 @@ if has sanitize; then
 fi
 if has graph; then
   run graph ${GRAPH_TIMEOUT:-300} python3 tools/cuda_graph_train_step.py ${GRAPH_ARGS:-}
+fi
+if has autotune; then
+  run autotune ${AUTOTUNE_TIMEOUT:-900} python3 tools/autotune.py --backends ${AUTOTUNE_BACKENDS:-tma_ws cuda} \
+    --directions forward backward backward-deterministic --report "$OUT/autotune.json"
 fi
 if has bench; then
   run bench ${BENCH_TIMEOUT:-900} python3 tools/benchmark_op.py --out "$OUT/op" ${BENCH_ARGS:-}
