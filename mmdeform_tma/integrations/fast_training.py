@@ -37,13 +37,12 @@ import math
 import torch
 from mmdet.models.data_preprocessors.data_preprocessor import BatchFixedSizePad
 from mmdet.models.layers.transformer import DetrTransformerDecoderLayer, DetrTransformerEncoderLayer
-from mmdet.registry import MODELS
+from mmdet.registry import MODELS, OPTIM_WRAPPER_CONSTRUCTORS
 from mmengine.hooks import Hook
 from mmengine.logging import print_log
 from mmengine.model import is_model_wrapper
 from mmengine.optim import DefaultOptimWrapperConstructor
 from mmengine.registry import HOOKS
-from mmdet.registry import OPTIM_WRAPPER_CONSTRUCTORS
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")
 DEFAULT_COMPILE_MODE = "default"
