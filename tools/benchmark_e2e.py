@@ -4,14 +4,17 @@
     python tools/benchmark_e2e.py --config configs/synthetic/dino-4scale_r50_synthetic_tma-ws.py
     python tools/benchmark_e2e.py --device cpu                      # tiny config, reference backend
     python tools/benchmark_e2e.py --backends stock auto --fast-backends auto --precisions amp-fp16 --repeats 3
+    python tools/benchmark_e2e.py --backends stock --fast-backends auto --compile-mode default reduce-overhead \
+        --compile-scope layers network                              # four fast variants
 
 For each backend ('stock' is mmcv's own, unpatched MultiScaleDeformableAttention.forward) and
 precision (fp32, amp-fp16, amp-bf16) it reports the training iteration time (forward, backward and
 optimizer step, synchronised), inference ms/batch and images/s, peak memory, and the loss over N
 steps from the same seed and batches, compared with mmcv's. Inputs are synthetic batches (random
 boxes on random images) pushed through the model's own data preprocessor. Writes JSON, Markdown
-and a PNG chart. `--fast-backends` adds rows on the fast training path (tools/train.py --fast);
-`--repeats` runs every variant that many times, the rounds interleaved, and reports the spread.
+and a PNG chart. `--fast-backends` adds rows on the fast training path (tools/train.py --fast), one
+per `--compile-mode` and `--compile-scope` given; `--repeats` runs every variant that many times,
+the rounds interleaved, and reports the spread.
 
 What bounds a training iteration, from a torch.profiler trace of a few iterations (CPU and CUDA
 activity; each iteration in a record_function range): the GPU kernel time (sum of kernel
@@ -55,6 +58,7 @@ STEP_RANGE = "benchmark_e2e::train_step"
 PHASE_PREFIX = "benchmark_e2e::phase::"  # the record_function ranges of phase_targets()
 NESTED_PHASES = ("assigner",)  # inside 'head + loss': not added again to the iteration's sum
 LAUNCH_PREFIXES = ("cudaLaunch", "cuLaunch", "cudaGraphLaunch")
+GRAPH_LAUNCH = "cudaGraphLaunch"  # CUDA-graph replays (reduce-overhead), counted among the launches too
 HOST_SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
 SCALAR_READ = "aten::_local_scalar_dense"  # what .item(), bool(tensor) and friends run
 COPY_OR_FILL = ("Memcpy", "Memset")  # device activities that are not kernels
@@ -67,8 +71,8 @@ DEFAULT_CONFIG = {
 
 def build_model(config_path: str, backend: str, device: torch.device, seed: int, fast: dict | None = None):
     """The detector from its config, every MSDA module switched to `backend` (None: mmcv's own).
-    With `fast` (`mode` and torch.compile arguments) the config is switched to the fast training
-    path first (fast_training.fast_training_config) and the transformer layers are compiled."""
+    With `fast` (`mode`, `scope` and torch.compile arguments) the config is switched to the fast
+    training path first (fast_training.fast_training_config) and the model is compiled."""
     from mmengine.config import Config
     from mmengine.registry import init_default_scope
     from mmcv.ops import MultiScaleDeformableAttention
@@ -80,7 +84,7 @@ def build_model(config_path: str, backend: str, device: torch.device, seed: int,
     if fast is not None:
         from mmdeform_tma.integrations import fast_training
 
-        fast_training.fast_training_config(cfg, compile_mode=fast["mode"])
+        fast_training.fast_training_config(cfg, compile_mode=fast["mode"], compile_scope=fast["scope"])
     model_cfg = copy.deepcopy(cfg.model)
     model_cfg.backbone.init_cfg = None  # offline, and the same random init for every backend
     torch.manual_seed(seed)
@@ -140,6 +144,7 @@ def iteration_breakdown(events: list[TraceEvent], msda_kernels: re.Pattern = MSD
         "gpu_kernel_ms": kernel_us / 1e3 / n,
         "gpu_kernels": len(kernels) / n,
         "kernel_launches": sum(count for name, count in host.items() if name.startswith(LAUNCH_PREFIXES)) / n,
+        "graph_launches": sum(count for name, count in host.items() if name.startswith(GRAPH_LAUNCH)) / n,
         "host_syncs": sum(syncs.values()),
         "sync_calls": syncs,
         "scalar_reads": host[SCALAR_READ] / n,
@@ -267,7 +272,9 @@ def profile_iterations(
         bench_common.synchronize(device)
     breakdown = iteration_breakdown(trace_events(prof.events()), msda_kernels)
     if device.type != "cuda":  # no device: no kernels, launches or synchronisations to count
-        breakdown.update(gpu_kernel_ms=None, gpu_kernels=None, kernel_launches=None, host_syncs=None, sync_calls={})
+        breakdown.update(
+            gpu_kernel_ms=None, gpu_kernels=None, kernel_launches=None, graph_launches=None, host_syncs=None, sync_calls={}
+        )
     return breakdown
 
 
@@ -277,6 +284,8 @@ class Result:
     precision: str
     fast: bool = False  # the fast training path (tools/train.py --fast)
     repeat: int = 0  # which round of the interleaved runs
+    compile_mode: str | None = None  # the fast path's torch.compile mode and scope
+    compile_scope: str | None = None
     train_ms: dict = field(default_factory=dict)
     infer_ms: dict = field(default_factory=dict)
     images_per_s: float | None = None
@@ -286,6 +295,7 @@ class Result:
     gpu_kernel_ms: float | None = None
     gpu_kernels: float | None = None
     kernel_launches: float | None = None
+    graph_launches: float | None = None
     host_syncs: float | None = None
     sync_calls: dict = field(default_factory=dict)
     scalar_reads: float | None = None
@@ -298,12 +308,24 @@ class Result:
 
     @property
     def label(self) -> str:
-        return f"{self.backend}+fast" if self.fast else self.backend
+        return fast_label(self.backend, self.compile_mode, self.compile_scope) if self.fast else self.backend
 
 
-def run_one(args, backend: str, precision: str, device: torch.device, fast: bool = False, repeat: int = 0) -> Result:
-    result = Result(backend, precision, fast, repeat)
-    fast_options = dict(mode=args.compile_mode, **({"backend": args.compile_backend} if args.compile_backend else {}))
+def fast_label(backend: str, mode: str | None, scope: str | None) -> str:
+    """'auto+fast' on the fast path's defaults, else with the mode and scope that differ."""
+    from mmdeform_tma.integrations.fast_training import DEFAULT_COMPILE_MODE, DEFAULT_COMPILE_SCOPE
+
+    differ = [v for v, default in ((mode, DEFAULT_COMPILE_MODE), (scope, DEFAULT_COMPILE_SCOPE)) if v and v != default]
+    return f"{backend}+fast" + (f"[{','.join(differ)}]" if differ else "")
+
+
+def run_one(
+    args, backend: str, precision: str, device: torch.device, fast: tuple[str, str] | None = None, repeat: int = 0
+) -> Result:
+    """One variant: `fast` is None (eager) or the fast path's (compile mode, compile scope)."""
+    mode, scope = fast or (None, None)
+    result = Result(backend, precision, fast is not None, repeat, mode, scope)
+    fast_options = dict(mode=mode, scope=scope, **({"backend": args.compile_backend} if args.compile_backend else {}))
     model, cfg = build_model(args.config, backend, device, args.seed, fast_options if fast else None)
     batches = [batch_for_config(cfg, args.batch, args.height, args.width, device, args.seed + i) for i in range(args.parity_steps)]
     optim_wrapper = make_optim_wrapper(model, cfg, precision)
@@ -366,7 +388,10 @@ def parse_args(argv=None):
         "--fast-backends", nargs="*", default=None,
         help="backends also run on the fast training path (default on a GPU: auto; none on the CPU)",
     )
-    p.add_argument("--compile-mode", default=None, help="torch.compile mode of the fast path's transformer layers")
+    p.add_argument("--compile-mode", nargs="+", default=None, help="torch.compile mode(s) of the fast path")
+    p.add_argument(
+        "--compile-scope", nargs="+", default=None, help="what the fast path compiles: layers, network (one row each)"
+    )
     p.add_argument("--compile-backend", default=None, help=argparse.SUPPRESS)  # tests trace with aot_eager on the CPU
     p.add_argument("--precisions", nargs="*", choices=list(PRECISIONS), default=None)
     p.add_argument("--batch", type=int, default=None)
@@ -384,10 +409,14 @@ def parse_args(argv=None):
     args.config = args.config or DEFAULT_CONFIG[args.device.type]
     args.precisions = args.precisions or (list(PRECISIONS) if gpu else ["fp32"])
     args.fast_backends = args.fast_backends if args.fast_backends is not None else (["auto"] if gpu else [])
-    if args.compile_mode is None:
-        from mmdeform_tma.integrations.fast_training import DEFAULT_COMPILE_MODE
+    from mmdeform_tma.integrations import fast_training
 
-        args.compile_mode = DEFAULT_COMPILE_MODE
+    args.compile_mode = args.compile_mode or [fast_training.DEFAULT_COMPILE_MODE]
+    args.compile_scope = args.compile_scope or [fast_training.DEFAULT_COMPILE_SCOPE]
+    for mode in args.compile_mode:
+        fast_training.check_choice("mode", mode, fast_training.COMPILE_MODES)
+    for scope in args.compile_scope:
+        fast_training.check_choice("scope", scope, fast_training.COMPILE_SCOPES)
     args.batch = args.batch or (2 if gpu else 1)
     args.height, args.width = (int(x) for x in (args.image_size or default_image_size(args.config, gpu)).split("x"))
     args.iters = args.iters or (20 if gpu else 2)
@@ -405,10 +434,11 @@ def main(argv=None) -> int:
     env = bench_common.environment(device)
     env.update(
         config=args.config, batch=args.batch, image_size=f"{args.height}x{args.width}",
-        compile_mode=args.compile_mode, repeats=args.repeats,
+        compile_mode=args.compile_mode, compile_scope=args.compile_scope, repeats=args.repeats,
     )
     results: list[Result] = []
-    variants = [(b, False) for b in backends] + [(b, True) for b in args.fast_backends]
+    fast_options = [(m, s) for m in args.compile_mode for s in args.compile_scope]
+    variants = [(b, None) for b in backends] + [(b, f) for b in args.fast_backends for f in fast_options]
     # round-robin: each round runs every variant once, so drift of the machine hits all alike
     jobs = [(r, b, f, p) for r in range(args.repeats) for b, f in variants for p in args.precisions]
     for repeat, backend, fast, precision in bench_common.progress(jobs, len(jobs), "e2e"):
@@ -416,7 +446,8 @@ def main(argv=None) -> int:
             results.append(run_one(args, backend, precision, device, fast, repeat))
         except (mmdeform_tma.BackendUnavailableError, RuntimeError, ValueError) as exc:
             message = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
-            results.append(Result(backend, precision, fast, repeat, error=message))
+            mode, scope = fast or (None, None)
+            results.append(Result(backend, precision, fast is not None, repeat, mode, scope, error=message))
         if device.type == "cuda":
             torch.cuda.empty_cache()  # the last model is gone with run_one's frame
         compare_losses(results)
@@ -465,7 +496,7 @@ def summarize_runs(results: list[Result]) -> list[dict]:
             images_per_s=median_or_none([r.images_per_s for r in good]),
         )
         for key in (
-            "gpu_kernel_ms", "gpu_over_wall_pct", "kernel_launches", "host_syncs", "scalar_reads",
+            "gpu_kernel_ms", "gpu_over_wall_pct", "kernel_launches", "graph_launches", "host_syncs", "scalar_reads",
             "peak_memory_mb", "msda_share_pct", "max_loss_rel_diff_vs_mmcv",
         ):
             row[key] = median_or_none([getattr(r, key) for r in good])
@@ -492,7 +523,7 @@ def summarize_runs(results: list[Result]) -> list[dict]:
 def table(results: list[Result]) -> tuple[list[str], list[list[object]]]:
     header = [
         "variant", "precision", "train ms/iter", "spread", "vs stock", "GPU kernel ms/iter", "GPU/wall %", "bound",
-        "launches/iter", "syncs/iter", "scalar reads/iter", "infer ms/batch", "infer vs stock", "images/s", "peak MB",
+        "launches/iter", "graph replays/iter", "syncs/iter", "scalar reads/iter", "infer ms/batch", "infer vs stock", "images/s", "peak MB",
         "MSDA %", "loss diff vs mmcv",
     ]
     rows = []
@@ -504,7 +535,7 @@ def table(results: list[Result]) -> tuple[list[str], list[list[object]]]:
             [
                 r["label"], r["precision"], fmt(r["train_ms"], ".1f"), f"{r['train_min']:.1f}-{r['train_max']:.1f}",
                 fmt(r["train_vs_stock"], ".2f"), fmt(r["gpu_kernel_ms"], ".1f"), fmt(r["gpu_over_wall_pct"], ".0f"),
-                r["bound"] or "-", fmt(r["kernel_launches"], ".0f"), fmt(r["host_syncs"], ".0f"),
+                r["bound"] or "-", fmt(r["kernel_launches"], ".0f"), fmt(r["graph_launches"], ".0f"), fmt(r["host_syncs"], ".0f"),
                 fmt(r["scalar_reads"], ".0f"), fmt(r["infer_ms"], ".1f"), fmt(r["infer_vs_stock"], ".2f"),
                 fmt(r["images_per_s"], ".1f"), fmt(r["peak_memory_mb"], ".0f"), fmt(r["msda_share_pct"], ".0f"),
                 fmt(r["max_loss_rel_diff_vs_mmcv"], ".1e"),
@@ -550,16 +581,18 @@ def write_outputs(prefix: Path, env: dict, results: list[Result]) -> None:
                 f"torch {env['torch']}, mmcv {env.get('mmcv')}, mmdet {env.get('mmdet')}.",
                 "",
                 "'stock' is mmcv's own MultiScaleDeformableAttention; '+fast' the fast training path (tools/train.py "
-                f"--fast: transformer layers compiled with mode {env.get('compile_mode')!r}, fused optimizer, image-size "
-                "buckets). 'loss diff' is the largest relative difference of the training loss over the first steps "
-                "(same seed and batches) against stock.",
+                "--fast: compiled transformer layers, fused optimizer, image-size buckets), '+fast[mode,scope]' with "
+                "another torch.compile mode or scope ('network': backbone and neck compiled too). 'loss diff' is the "
+                "largest relative difference of the training loss over the first steps (same seed and batches) "
+                "against stock.",
                 "",
                 f"Each variant ran {env.get('repeats', 1)} time(s), the rounds interleaved; times are the median over the "
                 "runs of each run's median, 'spread' the smallest and largest run, 'vs stock' the ratio to stock's "
                 "median of the same precision.",
                 "",
                 "Per training iteration, from a profiler trace of a few iterations: 'GPU kernel ms' is the sum of "
-                "kernel durations, 'launches' the cudaLaunch*/cuLaunch* calls, 'syncs' the host waits "
+                "kernel durations, 'launches' the cudaLaunch*/cuLaunch*/cudaGraphLaunch calls ('graph replays' the last "
+                "alone), 'syncs' the host waits "
                 "(cudaStreamSynchronize, cudaDeviceSynchronize, cudaEventSynchronize, synchronous cudaMemcpy), "
                 "'scalar reads' the aten::_local_scalar_dense calls (.item() and friends). 'GPU/wall' is the kernel "
                 f"time over the un-profiled median iteration; below {BOUND_THRESHOLD:.0%} the iteration is host-bound: "

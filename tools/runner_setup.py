@@ -62,18 +62,24 @@ def add_fast_args(parser) -> None:
         help="with --fast: torch.compile mode of the transformer layers "
         "(default, reduce-overhead = with CUDA graphs, max-autotune-no-cudagraphs)",
     )
+    parser.add_argument(
+        "--compile-scope",
+        default=None,
+        help="with --fast: what is compiled (layers = the transformer layers, network = also the backbone and neck)",
+    )
     parser.add_argument("--bucket-step", type=int, default=None, help="with --fast: pad images to multiples of this")
 
 
 def apply_fast_args(cfg: Config, args) -> None:
     if not args.fast:
-        if args.compile_mode is not None or args.bucket_step is not None:
-            raise SystemExit("--compile-mode and --bucket-step go with --fast")
+        if args.compile_mode is not None or args.compile_scope is not None or args.bucket_step is not None:
+            raise SystemExit("--compile-mode, --compile-scope and --bucket-step go with --fast")
         return
     from mmdeform_tma.integrations import fast_training
 
     fast_training.fast_training_config(
         cfg,
         compile_mode=args.compile_mode or fast_training.DEFAULT_COMPILE_MODE,
+        compile_scope=args.compile_scope or fast_training.DEFAULT_COMPILE_SCOPE,
         bucket_step=args.bucket_step or fast_training.DEFAULT_BUCKET_STEP,
     )

@@ -9,6 +9,9 @@ launched the next ones (docs/benchmarks.md). This path cuts host work with exist
   encoders: mmdet builds each encoder's reference points by iterating a device tensor of level
   shapes, a host synchronisation per level that would split the graph anyway. Modules are compiled
   in place (`nn.Module.compile`), so parameter names and checkpoints are unchanged.
+- with `compile_scope='network'`, the backbone and the neck too (a ResNet's convolutions keep
+  cuDNN; its frozen batch norms, activations and AMP casts fuse), which cuts their forward and
+  backward launches.
 - `mode='reduce-overhead'` replays each compiled layer's forward and backward from CUDA graphs;
   shapes are static per image-size bucket (below).
 - the optimizer's fused CUDA kernel (`fused=True`, torch's Adam/AdamW/SGD), which also lets AMP's
@@ -46,6 +49,10 @@ from mmengine.registry import HOOKS
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")
 DEFAULT_COMPILE_MODE = "default"
+# what is compiled: the transformer layers, or also the backbone and the neck
+COMPILE_SCOPES = ("layers", "network")
+DEFAULT_COMPILE_SCOPE = "layers"
+NETWORK_PARTS = ("backbone", "neck")
 DEFAULT_BUCKET_STEP = 128
 FUSED_OPTIMIZERS = ("Adam", "AdamW", "SGD")
 # compiled graphs kept per layer class: one per bucket shape, train and eval
@@ -105,15 +112,35 @@ def transformer_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Modul
     return [(name, m) for name, m in model.named_modules() if isinstance(m, TRANSFORMER_LAYERS)]
 
 
-def compile_transformer_layers(model: torch.nn.Module, mode: str = DEFAULT_COMPILE_MODE, **compile_kwargs) -> list[str]:
-    """Compile each transformer layer in place; returns their names. Raises if there are none."""
-    if mode not in COMPILE_MODES:
-        raise ValueError(f"unknown compile mode {mode!r}; valid: {', '.join(COMPILE_MODES)}")
+def check_choice(kind: str, value: str, valid: tuple[str, ...]) -> None:
+    if value not in valid:
+        raise ValueError(f"unknown compile {kind} {value!r}; valid: {', '.join(valid)}")
+
+
+def network_parts(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """The model's backbone and neck (those it has), by name. A part holding transformer layers
+    is refused: they are compiled on their own, and a compiled parent would swallow them."""
+    parts = [(name, getattr(model, name)) for name in NETWORK_PARTS if isinstance(getattr(model, name, None), torch.nn.Module)]
+    for name, part in parts:
+        if transformer_layers(part):
+            raise ValueError(f"{type(model).__name__}.{name} holds transformer layers; compile scope 'network' cannot take it")
+    return parts
+
+
+def compile_transformer_layers(
+    model: torch.nn.Module, mode: str = DEFAULT_COMPILE_MODE, scope: str = DEFAULT_COMPILE_SCOPE, **compile_kwargs
+) -> list[str]:
+    """Compile each transformer layer in place, and with scope 'network' the backbone and the neck;
+    returns the compiled modules' names. Raises if the model has no transformer layer."""
+    check_choice("mode", mode, COMPILE_MODES)
+    check_choice("scope", scope, COMPILE_SCOPES)
     if is_model_wrapper(model):
         model = model.module
     layers = transformer_layers(model)
     if not layers:
         raise ValueError(f"{type(model).__name__} has no DetrTransformerEncoderLayer / DecoderLayer to compile")
+    if scope == "network":
+        layers = network_parts(model) + layers
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, DYNAMO_CACHE_SIZE_LIMIT)
     compile_kwargs.setdefault("fullgraph", True)
     compile_kwargs.setdefault("dynamic", False)  # static per bucket: what CUDA graphs need
@@ -126,33 +153,43 @@ def compile_transformer_layers(model: torch.nn.Module, mode: str = DEFAULT_COMPI
 
 @HOOKS.register_module()
 class CompileTransformerLayersHook(Hook):
-    """Compiles the model's transformer layers before the first train, val or test iteration."""
+    """Compiles the model's transformer layers (scope 'network': also its backbone and neck) before
+    the first train, val or test iteration."""
 
     priority = "VERY_LOW"
 
-    def __init__(self, mode: str = DEFAULT_COMPILE_MODE, **compile_kwargs) -> None:
-        if mode not in COMPILE_MODES:
-            raise ValueError(f"unknown compile mode {mode!r}; valid: {', '.join(COMPILE_MODES)}")
+    def __init__(self, mode: str = DEFAULT_COMPILE_MODE, scope: str = DEFAULT_COMPILE_SCOPE, **compile_kwargs) -> None:
+        check_choice("mode", mode, COMPILE_MODES)
+        check_choice("scope", scope, COMPILE_SCOPES)
         self.mode = mode
+        self.scope = scope
         self.compile_kwargs = compile_kwargs
         self.compiled: list[str] = []
 
     def before_run(self, runner) -> None:
         if self.compiled:
             return
-        self.compiled = compile_transformer_layers(runner.model, self.mode, **self.compile_kwargs)
-        print_log(f"compiled {len(self.compiled)} transformer layers (torch.compile mode={self.mode!r})", logger="current")
+        self.compiled = compile_transformer_layers(runner.model, self.mode, self.scope, **self.compile_kwargs)
+        print_log(
+            f"compiled {len(self.compiled)} modules (torch.compile mode={self.mode!r}, scope={self.scope!r})",
+            logger="current",
+        )
 
 
-def fast_training_config(cfg, compile_mode: str = DEFAULT_COMPILE_MODE, bucket_step: int = DEFAULT_BUCKET_STEP):
+def fast_training_config(
+    cfg,
+    compile_mode: str = DEFAULT_COMPILE_MODE,
+    bucket_step: int = DEFAULT_BUCKET_STEP,
+    compile_scope: str = DEFAULT_COMPILE_SCOPE,
+):
     """`cfg` (an mmengine Config) switched to the fast path, in place; returns it.
 
     Adds the compile hook, the fused optimizer with merged parameter groups (unless the config
     names a constructor of its own) and, unless the model pads to a fixed size already
     (Mask2Former's large-scale jitter), bucket padding. Raises for an optimizer without a fused
     kernel rather than quietly leaving it unfused."""
-    if compile_mode not in COMPILE_MODES:
-        raise ValueError(f"unknown compile mode {compile_mode!r}; valid: {', '.join(COMPILE_MODES)}")
+    check_choice("mode", compile_mode, COMPILE_MODES)
+    check_choice("scope", compile_scope, COMPILE_SCOPES)
     imports = cfg.get("custom_imports", None) or dict(imports=[], allow_failed_imports=False)
     names = list(imports.get("imports", []))
     for name in ("mmdeform_tma", THIS_MODULE):
@@ -162,7 +199,7 @@ def fast_training_config(cfg, compile_mode: str = DEFAULT_COMPILE_MODE, bucket_s
     cfg.custom_imports = imports
 
     hooks = [h for h in cfg.get("custom_hooks", None) or [] if h.get("type") != "CompileTransformerLayersHook"]
-    hooks.append(dict(type="CompileTransformerLayersHook", mode=compile_mode))
+    hooks.append(dict(type="CompileTransformerLayersHook", mode=compile_mode, scope=compile_scope))
     cfg.custom_hooks = hooks
 
     optimizer = cfg.optim_wrapper.optimizer

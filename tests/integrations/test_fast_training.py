@@ -24,11 +24,13 @@ TINY = str(ROOT / "configs/synthetic/deformable-detr_tiny_synthetic_cpu.py")
 
 
 def test_fast_config_adds_compile_hook_fused_optimizer_and_buckets():
-    cfg = fast_training.fast_training_config(Config.fromfile(DETR), compile_mode="reduce-overhead", bucket_step=64)
+    cfg = fast_training.fast_training_config(
+        Config.fromfile(DETR), compile_mode="reduce-overhead", bucket_step=64, compile_scope="network"
+    )
     assert "mmdeform_tma.integrations.fast_training" in cfg.custom_imports["imports"]
     assert "mmdeform_tma" in cfg.custom_imports["imports"]
     assert [h for h in cfg.custom_hooks if h["type"] == "CompileTransformerLayersHook"] == [
-        dict(type="CompileTransformerLayersHook", mode="reduce-overhead")
+        dict(type="CompileTransformerLayersHook", mode="reduce-overhead", scope="network")
     ]
     assert cfg.optim_wrapper.optimizer.type == "AdamW" and cfg.optim_wrapper.optimizer.fused is True
     assert cfg.optim_wrapper.constructor == "MergedParamGroupsConstructor"
@@ -113,6 +115,10 @@ def test_fast_config_refuses_an_optimizer_without_a_fused_kernel():
 def test_fast_config_refuses_an_unknown_compile_mode():
     with pytest.raises(ValueError, match="compile mode"):
         fast_training.fast_training_config(Config.fromfile(DETR), compile_mode="fastest")
+    with pytest.raises(ValueError, match="compile scope 'model'"):
+        fast_training.fast_training_config(Config.fromfile(DETR), compile_scope="model")
+    with pytest.raises(ValueError, match="compile scope"):
+        fast_training.CompileTransformerLayersHook(scope="everything")
 
 
 def test_bucket_pad_pads_to_the_next_multiple_and_updates_metainfo():
@@ -156,6 +162,20 @@ def test_compile_transformer_layers_finds_every_layer():
     assert not any("_orig_mod" in name for name, _ in model.named_parameters())
 
 
+def test_network_scope_compiles_the_backbone_and_neck_too():
+    model, _ = tiny_model()
+    names = fast_training.compile_transformer_layers(model, scope="network", backend="aot_eager")
+    assert names == ["backbone", "neck", "encoder.layers.0", "decoder.layers.0"]
+    assert all(model.get_submodule(n)._compiled_call_impl is not None for n in names)
+
+
+def test_network_scope_refuses_a_part_that_holds_transformer_layers():
+    model, _ = tiny_model()
+    model.neck = torch.nn.Sequential(model.encoder.layers[0])  # a compiled neck would swallow the layer
+    with pytest.raises(ValueError, match="neck holds transformer layers"):
+        fast_training.compile_transformer_layers(model, scope="network", backend="aot_eager")
+
+
 def test_compile_transformer_layers_refuses_a_model_without_them():
     with pytest.raises(ValueError, match="no DetrTransformerEncoderLayer"):
         fast_training.compile_transformer_layers(torch.nn.Linear(2, 2))
@@ -188,14 +208,15 @@ def test_compiled_layers_train_as_eager():
 def test_train_tool_fast_options():
     import train
 
-    args = train.parse_args([DETR, "--fast", "--compile-mode", "reduce-overhead", "--bucket-step", "256"])
+    args = train.parse_args([DETR, "--fast", "--compile-mode", "reduce-overhead", "--compile-scope", "network", "--bucket-step", "256"])
     cfg = train.build_config(args)
-    assert cfg.custom_hooks[-1] == dict(type="CompileTransformerLayersHook", mode="reduce-overhead")
+    assert cfg.custom_hooks[-1] == dict(type="CompileTransformerLayersHook", mode="reduce-overhead", scope="network")
     assert cfg.model.data_preprocessor.batch_augments[-1] == dict(type="BatchBucketPad", step=256)
     plain = train.build_config(train.parse_args([DETR]))
     assert "CompileTransformerLayersHook" not in str(plain.get("custom_hooks", []))
-    with pytest.raises(SystemExit):
-        train.build_config(train.parse_args([DETR, "--compile-mode", "default"]))
+    for flag, value in (("--compile-mode", "default"), ("--compile-scope", "layers")):
+        with pytest.raises(SystemExit):
+            train.build_config(train.parse_args([DETR, flag, value]))
 
 
 def test_compile_hook_in_a_runner(tmp_path):
@@ -231,7 +252,7 @@ def test_apply_fast_args_without_fast_is_a_no_op():
 
     cfg = Config.fromfile(DETR)
     before = cfg.to_dict()
-    apply_fast_args(cfg, Namespace(fast=False, compile_mode=None, bucket_step=None))
+    apply_fast_args(cfg, Namespace(fast=False, compile_mode=None, compile_scope=None, bucket_step=None))
     assert cfg.to_dict() == before
 
 

@@ -93,19 +93,31 @@ def test_benchmark_e2e_fast_rows_and_interleaved_repeats(tmp_path):
 
     argv = [
         "--device", "cpu", "--backends", "stock", "--fast-backends", "pytorch", "--compile-backend", "aot_eager",
-        "--repeats", "2", "--iters", "2", "--out", str(tmp_path / "e2e"),
+        "--compile-scope", "layers", "network", "--repeats", "2", "--iters", "2", "--out", str(tmp_path / "e2e"),
     ]
     assert benchmark_e2e.main(argv) == 0
     results = json.loads((tmp_path / "e2e.json").read_text())["results"]
-    # round-robin: round 0 of every variant before round 1 of any
-    assert [(r["backend"], r["fast"], r["repeat"]) for r in results] == [
-        ("stock", False, 0), ("pytorch", True, 0), ("stock", False, 1), ("pytorch", True, 1)
+    # round-robin: round 0 of every variant before round 1 of any; one fast row per compile scope
+    assert [(r["backend"], r["compile_scope"], r["repeat"]) for r in results] == [
+        ("stock", None, 0), ("pytorch", "layers", 0), ("pytorch", "network", 0),
+        ("stock", None, 1), ("pytorch", "layers", 1), ("pytorch", "network", 1),
     ]
     assert all(r["error"] is None for r in results)
     fast = [r for r in results if r["fast"]]
     assert all(r["max_loss_rel_diff_vs_mmcv"] < 1e-6 for r in fast)  # same weights, batches and dropout draws
     markdown = (tmp_path / "e2e.md").read_text()
     assert "| pytorch+fast | fp32 |" in markdown and "| stock | fp32 |" in markdown
+    assert "| pytorch+fast[network] | fp32 |" in markdown
+
+
+def test_fast_labels_name_what_differs_from_the_defaults():
+    import benchmark_e2e
+
+    assert benchmark_e2e.fast_label("auto", "default", "layers") == "auto+fast"
+    assert benchmark_e2e.fast_label("auto", "reduce-overhead", "network") == "auto+fast[reduce-overhead,network]"
+    assert benchmark_e2e.fast_label("auto", "default", "network") == "auto+fast[network]"
+    with pytest.raises(ValueError, match="compile scope"):
+        benchmark_e2e.parse_args(["--device", "cpu", "--compile-scope", "everything"])
 
 
 def test_summarize_runs_medians_spread_and_ratio_to_stock():
@@ -146,12 +158,13 @@ def test_iteration_breakdown_counts_per_step_inside_the_step_ranges():
         events += [trace("cudaStreamSynchronize", start + 4, 5), trace("cudaMemcpyAsync", start + 10, 1)]
         events += [trace("aten::item", start + 20, 3), trace("aten::_local_scalar_dense", start + 21, 1)] * 2
     events += [trace("cudaMemcpy", 250, 2)]  # a synchronous copy in the second step
+    events += [trace("cudaGraphLaunch", 260, 1)]  # a CUDA-graph replay in the second step
     events += [trace("cudaDeviceSynchronize", 400, 50)]  # the profiler loop's own, after the steps
     events += [trace("void portable::msda_forward<float>(...)", 10, 30, True), trace("volta_sgemm_128x64_nn", 50, 90, True)]
     events += [trace("at::native::elementwise_kernel", 220, 40, True), trace("Memcpy DtoH (Device -> Pageable)", 230, 500, True)]
     got = benchmark_e2e.iteration_breakdown(events)
     assert got["gpu_kernel_ms"] == pytest.approx((30 + 90 + 40) / 2 / 1e3)
-    assert got["gpu_kernels"] == 1.5 and got["kernel_launches"] == 3
+    assert got["gpu_kernels"] == 1.5 and got["kernel_launches"] == 3.5 and got["graph_launches"] == 0.5
     assert got["sync_calls"] == {"cudaStreamSynchronize": 1, "cudaDeviceSynchronize": 0, "cudaEventSynchronize": 0, "cudaMemcpy": 0.5}
     assert got["host_syncs"] == 1.5 and got["scalar_reads"] == 2
     assert got["msda_share_pct"] == pytest.approx(100 * 30 / 160)
