@@ -37,6 +37,7 @@ import copy
 import re
 import statistics
 import sys
+import traceback
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -444,10 +445,13 @@ def main(argv=None) -> int:
     for repeat, backend, fast, precision in bench_common.progress(jobs, len(jobs), "e2e"):
         try:
             results.append(run_one(args, backend, precision, device, fast, repeat))
-        except (mmdeform_tma.BackendUnavailableError, RuntimeError, ValueError) as exc:
-            message = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+        except Exception as exc:  # noqa: BLE001 - one variant's failure is a row of the table, not the run's end
+            message = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+            print(f"e2e: {backend} {precision} fast={fast} failed:\n{traceback.format_exc()}", file=sys.stderr)
             mode, scope = fast or (None, None)
             results.append(Result(backend, precision, fast is not None, repeat, mode, scope, error=message))
+        if fast is not None:
+            torch._dynamo.reset()  # also CUDA-graph trees: global state the next variant must not inherit
         if device.type == "cuda":
             torch.cuda.empty_cache()  # the last model is gone with run_one's frame
         compare_losses(results)

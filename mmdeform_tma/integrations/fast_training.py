@@ -13,7 +13,9 @@ launched the next ones (docs/benchmarks.md). This path cuts host work with exist
   cuDNN; its frozen batch norms, activations and AMP casts fuse), which cuts their forward and
   backward launches.
 - `mode='reduce-overhead'` replays each compiled layer's forward and backward from CUDA graphs;
-  shapes are static per image-size bucket (below).
+  shapes are static per image-size bucket (below). Each of the model's train, val and test steps
+  then first marks a new CUDA-graph iteration (`torch.compiler.cudagraph_mark_step_begin`): with
+  several compiled regions per step, torch's own guess of where an iteration starts can fail.
 - the optimizer's fused CUDA kernel (`fused=True`, torch's Adam/AdamW/SGD), which also lets AMP's
   GradScaler skip its per-step `found_inf.item()` synchronisation.
 - `MergedParamGroupsConstructor`: mmengine's default constructor with `paramwise_cfg` (every
@@ -134,6 +136,7 @@ def compile_transformer_layers(
     returns the compiled modules' names. Raises if the model has no transformer layer."""
     check_choice("mode", mode, COMPILE_MODES)
     check_choice("scope", scope, COMPILE_SCOPES)
+    stepped = model  # a wrapper's own steps are what the runner calls (DDP does not call the module's)
     if is_model_wrapper(model):
         model = model.module
     layers = transformer_layers(model)
@@ -144,11 +147,32 @@ def compile_transformer_layers(
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, DYNAMO_CACHE_SIZE_LIMIT)
     compile_kwargs.setdefault("fullgraph", True)
     compile_kwargs.setdefault("dynamic", False)  # static per bucket: what CUDA graphs need
+    if mode == "reduce-overhead":
+        mark_cuda_graph_steps(stepped)
     if compile_kwargs.get("backend", "inductor") != "inductor":
         mode = None  # modes are inductor's; tests trace with 'aot_eager' on the CPU
     for _, layer in layers:
         layer.compile(mode=mode, **compile_kwargs)
     return [name for name, _ in layers]
+
+
+STEP_METHODS = ("train_step", "val_step", "test_step")
+
+
+def mark_cuda_graph_steps(model: torch.nn.Module) -> None:
+    """Make each of the model's train, val and test steps begin a new CUDA-graph iteration, so
+    graph outputs of the previous step are released rather than taken for pending work."""
+    for name in STEP_METHODS:
+        step = getattr(model, name, None)
+        if step is None or getattr(step, "_marks_cuda_graph_steps", False):
+            continue
+
+        def marked(*args, _step=step, **kwargs):
+            torch.compiler.cudagraph_mark_step_begin()
+            return _step(*args, **kwargs)
+
+        marked._marks_cuda_graph_steps = True
+        setattr(model, name, marked)
 
 
 @HOOKS.register_module()

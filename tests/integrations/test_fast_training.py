@@ -277,3 +277,22 @@ def test_mask2former_layers_compile_fullgraph_and_train():
         for s in range(2)
     ]
     assert all(torch.isfinite(torch.tensor(losses))) and losses[0] != losses[1]
+
+
+def test_reduce_overhead_marks_a_cuda_graph_step_before_each_model_step(monkeypatch):
+    """With several compiled regions per step, each train/val/test step starts a new CUDA-graph
+    iteration itself (torch's guess can take the last step's graph outputs for pending work)."""
+    model, _ = tiny_model()
+    calls = []
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: calls.append("mark"))
+    model.test_step = lambda data: calls.append(("test", data)) or "out"
+    fast_training.mark_cuda_graph_steps(model)
+    fast_training.mark_cuda_graph_steps(model)  # idempotent: one mark per step
+    assert model.test_step("batch") == "out"
+    assert calls == ["mark", ("test", "batch")]
+    graphed, _ = tiny_model()
+    fast_training.compile_transformer_layers(graphed, mode="reduce-overhead", backend="aot_eager")
+    assert all(getattr(graphed, name)._marks_cuda_graph_steps for name in fast_training.STEP_METHODS)
+    plain, _ = tiny_model()
+    fast_training.compile_transformer_layers(plain, backend="aot_eager")
+    assert not getattr(plain.train_step, "_marks_cuda_graph_steps", False)
