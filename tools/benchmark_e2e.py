@@ -291,6 +291,9 @@ class Result:
     infer_ms: dict = field(default_factory=dict)
     images_per_s: float | None = None
     peak_memory_mb: float | None = None
+    # the caching allocator's peak reservation: CUDA-graph pools included, which the peak of
+    # allocated tensors above misses (graph replays allocate nothing)
+    peak_reserved_mb: float | None = None
     msda_share_pct: float | None = None
     # per training iteration, from the profiled iterations (see iteration_breakdown)
     gpu_kernel_ms: float | None = None
@@ -347,6 +350,7 @@ def run_one(
     result.train_ms = bench_common.summarize(time_loop(train_step, args.iters, device))
     if device.type == "cuda":
         result.peak_memory_mb = torch.cuda.max_memory_allocated(device) / 2**20
+        result.peak_reserved_mb = torch.cuda.max_memory_reserved(device) / 2**20
     msda_kernels = REFERENCE_MSDA_KERNELS if backend == "pytorch" else MSDA_KERNELS
     phases = phase_targets(model, optim_wrapper)
     breakdown = profile_iterations(train_step, min(args.profile_iters, args.iters), device, msda_kernels, phases)
@@ -501,7 +505,7 @@ def summarize_runs(results: list[Result]) -> list[dict]:
         )
         for key in (
             "gpu_kernel_ms", "gpu_over_wall_pct", "kernel_launches", "graph_launches", "host_syncs", "scalar_reads",
-            "peak_memory_mb", "msda_share_pct", "max_loss_rel_diff_vs_mmcv",
+            "peak_memory_mb", "peak_reserved_mb", "msda_share_pct", "max_loss_rel_diff_vs_mmcv",
         ):
             row[key] = median_or_none([getattr(r, key) for r in good])
         labels = list(dict.fromkeys(label for r in good for label in r.host_phases))
@@ -527,7 +531,7 @@ def summarize_runs(results: list[Result]) -> list[dict]:
 def table(results: list[Result]) -> tuple[list[str], list[list[object]]]:
     header = [
         "variant", "precision", "train ms/iter", "spread", "vs stock", "GPU kernel ms/iter", "GPU/wall %", "bound",
-        "launches/iter", "graph replays/iter", "syncs/iter", "scalar reads/iter", "infer ms/batch", "infer vs stock", "images/s", "peak MB",
+        "launches/iter", "graph replays/iter", "syncs/iter", "scalar reads/iter", "infer ms/batch", "infer vs stock", "images/s", "peak MB", "reserved MB",
         "MSDA %", "loss diff vs mmcv",
     ]
     rows = []
@@ -541,7 +545,7 @@ def table(results: list[Result]) -> tuple[list[str], list[list[object]]]:
                 fmt(r["train_vs_stock"], ".2f"), fmt(r["gpu_kernel_ms"], ".1f"), fmt(r["gpu_over_wall_pct"], ".0f"),
                 r["bound"] or "-", fmt(r["kernel_launches"], ".0f"), fmt(r["graph_launches"], ".0f"), fmt(r["host_syncs"], ".0f"),
                 fmt(r["scalar_reads"], ".0f"), fmt(r["infer_ms"], ".1f"), fmt(r["infer_vs_stock"], ".2f"),
-                fmt(r["images_per_s"], ".1f"), fmt(r["peak_memory_mb"], ".0f"), fmt(r["msda_share_pct"], ".0f"),
+                fmt(r["images_per_s"], ".1f"), fmt(r["peak_memory_mb"], ".0f"), fmt(r["peak_reserved_mb"], ".0f"), fmt(r["msda_share_pct"], ".0f"),
                 fmt(r["max_loss_rel_diff_vs_mmcv"], ".1e"),
             ]
         )
@@ -600,7 +604,9 @@ def write_outputs(prefix: Path, env: dict, results: list[Result]) -> None:
                 "(cudaStreamSynchronize, cudaDeviceSynchronize, cudaEventSynchronize, synchronous cudaMemcpy), "
                 "'scalar reads' the aten::_local_scalar_dense calls (.item() and friends). 'GPU/wall' is the kernel "
                 f"time over the un-profiled median iteration; below {BOUND_THRESHOLD:.0%} the iteration is host-bound: "
-                "the GPU waits for the host.",
+                "the GPU waits for the host. 'peak MB' is the peak of allocated tensors over the timed iterations, "
+                "'reserved MB' the allocator's peak reservation, which also holds the CUDA-graph pools of "
+                "reduce-overhead (graph replays allocate nothing, so 'peak MB' misses them).",
                 "",
                 bench_common.markdown_table(header, rows),
                 *phase_section(results),
