@@ -28,3 +28,14 @@ def build_model(cfg, backend: str | None = "keep", seed: int = 0):
             if isinstance(module, MultiScaleDeformableAttention):
                 module.backend = backend
     return model
+
+
+def switch_off_dropout(model: torch.nn.Module) -> None:
+    """Every dropout: the nn.Dropout modules, and nn.MultiheadAttention's own attention dropout
+    (a float, not a module; mmcv's MultiheadAttention passes `attn_drop` there). Compiled graphs
+    draw dropout masks from other random numbers than eager, so comparisons need both off."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        elif isinstance(module, torch.nn.MultiheadAttention):
+            module.dropout = 0.0

@@ -72,7 +72,7 @@ if has bench; then
   run bench ${BENCH_TIMEOUT:-900} python3 tools/benchmark_op.py --out "$OUT/op" ${BENCH_ARGS:-}
 fi
 if has e2e; then
-  for model in ${E2E_MODELS:-deformable-detr dino-4scale}; do
+  for model in ${E2E_MODELS:-deformable-detr dino-4scale configs/mask2former/mask2former_r50_8xb2-lsj-50e_coco-panoptic_tma-ws.py}; do
     config=configs/synthetic/${model}_r50_synthetic_tma-ws.py
     [ -f "$config" ] || config=$model  # a config path
     name=$(basename "$config" .py)

@@ -53,19 +53,20 @@ def add_fast_args(parser) -> None:
     parser.add_argument(
         "--fast",
         action="store_true",
-        help="the fast path: compiled transformer layers, fused optimizer, image-size buckets "
+        help="the fast path: compiled network with CUDA graphs, fused optimizer, image-size buckets "
         "(mmdeform_tma/integrations/fast_training.py)",
     )
     parser.add_argument(
         "--compile-mode",
         default=None,
-        help="with --fast: torch.compile mode of the transformer layers "
-        "(default, reduce-overhead = with CUDA graphs, max-autotune-no-cudagraphs)",
+        help="with --fast: torch.compile mode (reduce-overhead = with CUDA graphs, the default; "
+        "default = without; max-autotune-no-cudagraphs)",
     )
     parser.add_argument(
         "--compile-scope",
         default=None,
-        help="with --fast: what is compiled (layers = the transformer layers, network = also the backbone and neck)",
+        help="with --fast: what is compiled (network = the transformer layers, backbone and neck, the "
+        "default; layers = the transformer layers only)",
     )
     parser.add_argument("--bucket-step", type=int, default=None, help="with --fast: pad images to multiples of this")
 

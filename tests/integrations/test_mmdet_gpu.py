@@ -11,6 +11,7 @@ import torch
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU on this machine")]
 pytest.importorskip("mmdet")
 
+from mmdet_models import switch_off_dropout  # noqa: E402
 from msda_cases import backend_skip_reason  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,9 +33,7 @@ def train_losses(backend, precision, steps=2, fast=None, dropout=True, perturb=0
     device = torch.device("cuda")
     model, cfg = build_model(CONFIG, backend, device, seed=0, fast=fast)
     if not dropout:  # compiled graphs draw dropout masks differently from eager
-        for module in model.modules():
-            if isinstance(module, torch.nn.Dropout):
-                module.p = 0.0
+        switch_off_dropout(model)
     if perturb:
         g = torch.Generator(device=device).manual_seed(1)
         with torch.no_grad():
@@ -71,16 +70,20 @@ def largest_rel_diff(a_steps, b_steps):
 def test_fast_path_training_steps_match_the_default_path(mode, scope, monkeypatch):
     """tools/train.py --fast: compiled transformer layers (inductor; CUDA graphs with
     reduce-overhead; scope 'network' compiles the backbone and neck too), fused AdamW, bucket
-    padding (512x640 is a bucket already, so the inputs are the same). cuDNN's TF32 is off for
-    both paths: inductor lays the backbone's convolutions out channels-last, cuDNN then picks
-    other TF32 kernels, and TF32's 1e-3 rounding would swamp the fp32 noise floor below (2.3e-2
-    drift with TF32 on an H100, 2026-11-23, commit 88fd07b).
-    Losses move with rounding: the Hungarian matching of near-tied queries flips on
-    fp32-level differences (the first step, before any update, differed by 4.7e-4 in the last
-    layer's loss_cls on an H100), and Adam's first updates, about lr x sign(grad), move weights
-    with near-zero gradients by a whole step. So the drift is measured, not guessed: the default
-    path from weights perturbed by 1e-6 (a few fp32 ulps) sets the floor, and the fast path may
-    drift at most 3x as far. A wrong compiled layer moves the losses by far more than either."""
+    padding (512x640 is a bucket already, so the inputs are the same).
+
+    Every dropout is off, nn.MultiheadAttention's attention dropout included: compiled graphs
+    draw other masks than eager. With that one left on, the fast path drifted 2.2e-2 from eager
+    on an H100 (2026-11-23, commits 88fd07b and dda54f1, cuDNN TF32 on or off alike); on the CPU,
+    inductor drifts 8e-3 with it on and not at all with it off. cuDNN's TF32 is off for both
+    paths, so that the floor is fp32 rounding: inductor may lay convolutions out channels-last,
+    where cuDNN picks other TF32 kernels.
+
+    Losses still move with rounding: the Hungarian matching of near-tied queries flips on
+    fp32-level differences, and Adam's first updates, about lr x sign(grad), move weights with
+    near-zero gradients by a whole step. So the drift is measured, not guessed: the default path
+    from weights perturbed by 1e-6 (a few fp32 ulps) sets the floor, and the fast path may drift
+    at most 3x as far. A wrong compiled layer moves the losses by far more than either."""
     skip_unless("cuda")  # auto runs a compiled backend
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     torch._dynamo.reset()

@@ -107,15 +107,15 @@ def test_benchmark_e2e_fast_rows_and_interleaved_repeats(tmp_path):
     assert all(r["max_loss_rel_diff_vs_mmcv"] < 1e-6 for r in fast)  # same weights, batches and dropout draws
     markdown = (tmp_path / "e2e.md").read_text()
     assert "| pytorch+fast | fp32 |" in markdown and "| stock | fp32 |" in markdown
-    assert "| pytorch+fast[network] | fp32 |" in markdown
+    assert "| pytorch+fast[layers] | fp32 |" in markdown
 
 
 def test_fast_labels_name_what_differs_from_the_defaults():
     import benchmark_e2e
 
-    assert benchmark_e2e.fast_label("auto", "default", "layers") == "auto+fast"
-    assert benchmark_e2e.fast_label("auto", "reduce-overhead", "network") == "auto+fast[reduce-overhead,network]"
-    assert benchmark_e2e.fast_label("auto", "default", "network") == "auto+fast[network]"
+    assert benchmark_e2e.fast_label("auto", "reduce-overhead", "network") == "auto+fast"  # the defaults
+    assert benchmark_e2e.fast_label("auto", "default", "layers") == "auto+fast[default,layers]"
+    assert benchmark_e2e.fast_label("auto", "default", "network") == "auto+fast[default]"
     with pytest.raises(ValueError, match="compile scope"):
         benchmark_e2e.parse_args(["--device", "cpu", "--compile-scope", "everything"])
 
