@@ -589,10 +589,11 @@ def write_outputs(prefix: Path, env: dict, results: list[Result]) -> None:
                 f"torch {env['torch']}, mmcv {env.get('mmcv')}, mmdet {env.get('mmdet')}.",
                 "",
                 "'stock' is mmcv's own MultiScaleDeformableAttention; '+fast' the fast training path (tools/train.py "
-                "--fast: compiled transformer layers, fused optimizer, image-size buckets), '+fast[mode,scope]' with "
-                "another torch.compile mode or scope ('network': backbone and neck compiled too). 'loss diff' is the "
-                "largest relative difference of the training loss over the first steps (same seed and batches) "
-                "against stock.",
+                "--fast: compiled network with CUDA graphs, fused optimizer, image-size buckets), '+fast[mode,scope]' with "
+                "another torch.compile mode or scope. 'loss diff' is the largest relative difference of the training "
+                "loss over the first steps (same seed and batches) against stock; compiled rows draw other dropout "
+                "masks than eager, so theirs is not a parity measure (tools/compare_loss_curves.py over 100 "
+                "iterations is).",
                 "",
                 f"Each variant ran {env.get('repeats', 1)} time(s), the rounds interleaved; times are the median over the "
                 "runs of each run's median, 'spread' the smallest and largest run, 'vs stock' the ratio to stock's "
