@@ -181,28 +181,37 @@ def test_compile_transformer_layers_refuses_a_model_without_them():
         fast_training.compile_transformer_layers(torch.nn.Linear(2, 2))
 
 
+def tiny_training_losses(steps: int, dropout: bool = True, **compile_kwargs) -> list[float]:
+    """Losses of `steps` training steps of the tiny model; compiled when given compile arguments."""
+    from benchmark_e2e import make_optim_wrapper
+    from mmdet_models import switch_off_dropout
+    from synthetic_batches import synthetic_batch
+
+    model, cfg = tiny_model()
+    if not dropout:
+        switch_off_dropout(model)
+    if compile_kwargs:
+        torch._dynamo.reset()
+        fast_training.compile_transformer_layers(model, **compile_kwargs)
+    optim = make_optim_wrapper(model, cfg, "fp32")
+    model.train()
+    torch.manual_seed(0)
+    losses = [
+        float(model.train_step(synthetic_batch(2, 128, 128, 3, torch.device("cpu"), seed=s), optim)["loss"])
+        for s in range(steps)
+    ]
+    torch._dynamo.reset()
+    return losses
+
+
 def test_compiled_layers_train_as_eager():
     """fullgraph=True: a graph break in a layer (e.g. in the MSDA module) fails here. aot_eager
     draws dropout from the same generator in the same order as eager; inductor does not (the
     GPU test turns dropout off)."""
-    from benchmark_e2e import make_optim_wrapper
-    from synthetic_batches import synthetic_batch
-
-    torch._dynamo.reset()
-    losses = {}
-    for compiled in (False, True):
-        model, cfg = tiny_model()
-        if compiled:
-            fast_training.compile_transformer_layers(model, backend="aot_eager")
-        optim = make_optim_wrapper(model, cfg, "fp32")
-        model.train()
-        torch.manual_seed(0)
-        losses[compiled] = [
-            float(model.train_step(synthetic_batch(2, 128, 128, 3, torch.device("cpu"), seed=s), optim)["loss"])
-            for s in range(2)
-        ]
-    assert losses[True] == pytest.approx(losses[False], rel=1e-5)
-    assert losses[True][0] != losses[True][1]
+    eager = tiny_training_losses(2)
+    compiled = tiny_training_losses(2, scope="layers", backend="aot_eager")
+    assert compiled == pytest.approx(eager, rel=1e-5)
+    assert compiled[0] != compiled[1]
 
 
 def test_inductor_network_scope_trains_as_eager_with_dropout_off():
@@ -210,27 +219,10 @@ def test_inductor_network_scope_trains_as_eager_with_dropout_off():
     steps against eager. With every dropout off, nn.MultiheadAttention's included (inductor draws
     other masks), the losses agree to rounding; the same comparison caught that attention dropout
     was still on in the GPU test (8e-3 apart here, 2e-2 on an H100)."""
-    from benchmark_e2e import make_optim_wrapper
-    from mmdet_models import switch_off_dropout
-    from synthetic_batches import synthetic_batch
-
-    losses = {}
-    for compiled in (False, True):
-        model, cfg = tiny_model()
-        switch_off_dropout(model)
-        if compiled:
-            torch._dynamo.reset()
-            fast_training.compile_transformer_layers(model, mode="default", scope="network")
-        optim = make_optim_wrapper(model, cfg, "fp32")
-        model.train()
-        torch.manual_seed(0)
-        losses[compiled] = [
-            float(model.train_step(synthetic_batch(2, 128, 128, 3, torch.device("cpu"), seed=s), optim)["loss"])
-            for s in range(3)
-        ]
-    torch._dynamo.reset()
-    assert losses[True] == pytest.approx(losses[False], rel=1e-5)
-    assert losses[True][0] != losses[True][-1]
+    eager = tiny_training_losses(3, dropout=False)
+    compiled = tiny_training_losses(3, dropout=False, mode="default", scope="network")
+    assert compiled == pytest.approx(eager, rel=1e-5)
+    assert compiled[0] != compiled[-1]
 
 
 def test_train_tool_fast_options():
