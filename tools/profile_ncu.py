@@ -1,10 +1,13 @@
 """Profile the MSDA kernels with Nsight Compute and summarise what limits them.
 
     python tools/profile_ncu.py --preset detr_enc_bs2 --dtype float16
+    python tools/profile_ncu.py --backends tma_ws --backward-configs c4_t32_s2_w16 c4_t32_s2_w16_g
 
 Runs ncu (--clock-control none: the card's clocks stay as they are) on one forward and one
 backward of every available compiled backend and of mmcv, and prints per kernel: duration, DRAM
 throughput, L2 and L1 hit rates, L2 throughput, achieved occupancy and the top warp stall reasons.
+`--backward-configs` profiles named kernel configs of one backend's backward instead (the names
+`tools/autotune.py` reports), each with its own launch, to set two variants side by side.
 """
 
 from __future__ import annotations
@@ -46,6 +49,9 @@ def child(args) -> None:
 
     device = torch.device("cuda")
     value, shapes_t, starts, loc, attn = make_inputs(PRESETS[args.preset], DTYPES[args.dtype], "local", device, 0)
+    if args.backward_configs:
+        backward_configs(args, value, shapes_t, starts, loc, attn)
+        return
     leaves = [value.requires_grad_(), loc.requires_grad_(), attn.requires_grad_()]
     for backend in args.backends:
         for _ in range(2):  # the second iteration is the one profiled (launch-skip below)
@@ -54,11 +60,28 @@ def child(args) -> None:
         torch.cuda.synchronize()
 
 
+def backward_configs(args, value, shapes_t, starts, loc, attn) -> None:
+    """Each named backward config of the one backend, run twice (the second is profiled)."""
+    from mmdeform_tma import _extension
+
+    (backend,) = args.backends
+    names = _extension.kernel_configs(backend, "backward")
+    missing = [c for c in args.backward_configs if c not in names]
+    if missing:
+        raise SystemExit(f"{backend} has no backward config {', '.join(missing)}; it has {', '.join(names)}")
+    grad = torch.randn(value.shape[0], loc.shape[1], value.shape[2] * value.shape[3], device=value.device, dtype=value.dtype)
+    for name in args.backward_configs:
+        for _ in range(2):
+            torch.ops.mmdeform_tma.ms_deform_attn_backward(grad, value, shapes_t, starts, loc, attn, backend, names.index(name), False)
+        torch.cuda.synchronize()
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="detr_enc_bs2")
     p.add_argument("--dtype", default="float16")
     p.add_argument("--backends", nargs="*", default=None)
+    p.add_argument("--backward-configs", nargs="*", default=None, help="named backward configs of one backend")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", type=Path, default=Path("bench_results/ncu.csv"))
     args = p.parse_args(argv)
@@ -66,6 +89,8 @@ def main(argv=None) -> int:
         import mmdeform_tma
 
         args.backends = [b for b in ("cuda", "tma", "tma_ws", "mmcv") if b in mmdeform_tma.available_backends("cuda")]
+    if args.backward_configs and len(args.backends) != 1:
+        p.error("--backward-configs names configs of one backend: give exactly one in --backends")
     if args.child:
         child(args)
         return 0
@@ -77,6 +102,7 @@ def main(argv=None) -> int:
         ncu, "--clock-control", "none", "--target-processes", "all", "--kernel-name", KERNELS,
         "--metrics", ",".join([*METRICS, *STALL_METRICS]), "--csv", "--page", "raw",
         sys.executable, __file__, "--child", "--preset", args.preset, "--dtype", args.dtype, "--backends", *args.backends,
+        *(["--backward-configs", *args.backward_configs] if args.backward_configs else []),
     ]
     result = subprocess.run(command, capture_output=True, text=True)
     text = result.stdout[result.stdout.find('"ID"'):] if '"ID"' in result.stdout else ""
@@ -89,6 +115,9 @@ def main(argv=None) -> int:
     seen = {}
     for row in rows:  # keep the last (warm) launch of each kernel name
         seen[row["Kernel Name"][:90]] = row
+    if args.backward_configs:  # configs of one kernel may share its name: every launch, in order
+        seen = {f"#{i} {row['Kernel Name'][:80]}": row for i, row in enumerate(rows)}
+        print(f"launch order: each of {', '.join(args.backward_configs)} twice, in that order")
     header = ["kernel", *METRICS.values(), "top stalls (cycles per issue)"]
     table = []
     for name, row in seen.items():
