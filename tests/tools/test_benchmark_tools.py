@@ -292,3 +292,11 @@ def test_info_explains_every_backend():
         assert f"    {name} " in out
     assert "pytorch  available" in out
     assert "not built" in out or "runs on cuda, not cpu" in out
+
+
+def test_profile_ncu_backward_configs_need_exactly_one_backend(capsys):
+    import profile_ncu
+
+    with pytest.raises(SystemExit):
+        profile_ncu.main(["--backends", "tma_ws", "cuda", "--backward-configs", "c4_t32_s2_w16"])
+    assert "exactly one" in capsys.readouterr().err
