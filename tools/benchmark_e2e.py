@@ -96,7 +96,7 @@ def build_model(config_path: str, backend: str, device: torch.device, seed: int,
             module.backend = None if backend == "stock" else backend
     model = model.to(device)
     if fast is not None:
-        fast_training.compile_transformer_layers(model, **fast)
+        fast_training.compile_fast_path_modules(model, **fast)
     return model, cfg
 
 

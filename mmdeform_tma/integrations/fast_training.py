@@ -133,7 +133,7 @@ def network_parts(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     return parts
 
 
-def compile_transformer_layers(
+def compile_fast_path_modules(
     model: torch.nn.Module, mode: str = DEFAULT_COMPILE_MODE, scope: str = DEFAULT_COMPILE_SCOPE, **compile_kwargs
 ) -> list[str]:
     """Compile each transformer layer in place, and with scope 'network' the backbone and the neck;
@@ -180,7 +180,7 @@ def mark_cuda_graph_steps(model: torch.nn.Module) -> None:
 
 
 @HOOKS.register_module()
-class CompileTransformerLayersHook(Hook):
+class FastPathCompileHook(Hook):
     """Compiles the model's transformer layers (scope 'network': also its backbone and neck) before
     the first train, val or test iteration."""
 
@@ -197,7 +197,7 @@ class CompileTransformerLayersHook(Hook):
     def before_run(self, runner) -> None:
         if self.compiled:
             return
-        self.compiled = compile_transformer_layers(runner.model, self.mode, self.scope, **self.compile_kwargs)
+        self.compiled = compile_fast_path_modules(runner.model, self.mode, self.scope, **self.compile_kwargs)
         print_log(
             f"compiled {len(self.compiled)} modules (torch.compile mode={self.mode!r}, scope={self.scope!r})",
             logger="current",
@@ -226,8 +226,8 @@ def fast_training_config(
     imports["imports"] = names
     cfg.custom_imports = imports
 
-    hooks = [h for h in cfg.get("custom_hooks", None) or [] if h.get("type") != "CompileTransformerLayersHook"]
-    hooks.append(dict(type="CompileTransformerLayersHook", mode=compile_mode, scope=compile_scope))
+    hooks = [h for h in cfg.get("custom_hooks", None) or [] if h.get("type") != "FastPathCompileHook"]
+    hooks.append(dict(type="FastPathCompileHook", mode=compile_mode, scope=compile_scope))
     cfg.custom_hooks = hooks
 
     optimizer = cfg.optim_wrapper.optimizer

@@ -29,8 +29,8 @@ def test_fast_config_adds_compile_hook_fused_optimizer_and_buckets():
     )
     assert "mmdeform_tma.integrations.fast_training" in cfg.custom_imports["imports"]
     assert "mmdeform_tma" in cfg.custom_imports["imports"]
-    assert [h for h in cfg.custom_hooks if h["type"] == "CompileTransformerLayersHook"] == [
-        dict(type="CompileTransformerLayersHook", mode="reduce-overhead", scope="network")
+    assert [h for h in cfg.custom_hooks if h["type"] == "FastPathCompileHook"] == [
+        dict(type="FastPathCompileHook", mode="reduce-overhead", scope="network")
     ]
     assert cfg.optim_wrapper.optimizer.type == "AdamW" and cfg.optim_wrapper.optimizer.fused is True
     assert cfg.optim_wrapper.constructor == "MergedParamGroupsConstructor"
@@ -118,7 +118,7 @@ def test_fast_config_refuses_an_unknown_compile_mode():
     with pytest.raises(ValueError, match="compile scope 'model'"):
         fast_training.fast_training_config(Config.fromfile(DETR), compile_scope="model")
     with pytest.raises(ValueError, match="compile scope"):
-        fast_training.CompileTransformerLayersHook(scope="everything")
+        fast_training.FastPathCompileHook(scope="everything")
 
 
 def test_bucket_pad_pads_to_the_next_multiple_and_updates_metainfo():
@@ -153,9 +153,9 @@ def tiny_model(backend="pytorch"):
     return build_model(TINY, backend, torch.device("cpu"), seed=0)
 
 
-def test_compile_transformer_layers_finds_every_layer():
+def test_compile_fast_path_modules_finds_every_layer():
     model, _ = tiny_model()
-    names = fast_training.compile_transformer_layers(model, scope="layers", backend="aot_eager")
+    names = fast_training.compile_fast_path_modules(model, scope="layers", backend="aot_eager")
     assert names == ["encoder.layers.0", "decoder.layers.0"]
     assert all(model.get_submodule(n)._compiled_call_impl is not None for n in names)
     # compiled in place: the parameter names (and so checkpoints) are unchanged
@@ -164,7 +164,7 @@ def test_compile_transformer_layers_finds_every_layer():
 
 def test_network_scope_compiles_the_backbone_and_neck_too():
     model, _ = tiny_model()
-    names = fast_training.compile_transformer_layers(model, scope="network", backend="aot_eager")
+    names = fast_training.compile_fast_path_modules(model, scope="network", backend="aot_eager")
     assert names == ["backbone", "neck", "encoder.layers.0", "decoder.layers.0"]
     assert all(model.get_submodule(n)._compiled_call_impl is not None for n in names)
 
@@ -173,12 +173,12 @@ def test_network_scope_refuses_a_part_that_holds_transformer_layers():
     model, _ = tiny_model()
     model.neck = torch.nn.Sequential(model.encoder.layers[0])  # a compiled neck would swallow the layer
     with pytest.raises(ValueError, match="neck holds transformer layers"):
-        fast_training.compile_transformer_layers(model, scope="network", backend="aot_eager")
+        fast_training.compile_fast_path_modules(model, scope="network", backend="aot_eager")
 
 
-def test_compile_transformer_layers_refuses_a_model_without_them():
+def test_compile_fast_path_modules_refuses_a_model_without_them():
     with pytest.raises(ValueError, match="no DetrTransformerEncoderLayer"):
-        fast_training.compile_transformer_layers(torch.nn.Linear(2, 2))
+        fast_training.compile_fast_path_modules(torch.nn.Linear(2, 2))
 
 
 def tiny_training_losses(steps: int, dropout: bool = True, **compile_kwargs) -> list[float]:
@@ -192,7 +192,7 @@ def tiny_training_losses(steps: int, dropout: bool = True, **compile_kwargs) -> 
         switch_off_dropout(model)
     if compile_kwargs:
         torch._dynamo.reset()
-        fast_training.compile_transformer_layers(model, **compile_kwargs)
+        fast_training.compile_fast_path_modules(model, **compile_kwargs)
     optim = make_optim_wrapper(model, cfg, "fp32")
     model.train()
     torch.manual_seed(0)
@@ -230,10 +230,10 @@ def test_train_tool_fast_options():
 
     args = train.parse_args([DETR, "--fast", "--compile-mode", "reduce-overhead", "--compile-scope", "network", "--bucket-step", "256"])
     cfg = train.build_config(args)
-    assert cfg.custom_hooks[-1] == dict(type="CompileTransformerLayersHook", mode="reduce-overhead", scope="network")
+    assert cfg.custom_hooks[-1] == dict(type="FastPathCompileHook", mode="reduce-overhead", scope="network")
     assert cfg.model.data_preprocessor.batch_augments[-1] == dict(type="BatchBucketPad", step=256)
     plain = train.build_config(train.parse_args([DETR]))
-    assert "CompileTransformerLayersHook" not in str(plain.get("custom_hooks", []))
+    assert "FastPathCompileHook" not in str(plain.get("custom_hooks", []))
     for flag, value in (("--compile-mode", "default"), ("--compile-scope", "layers")):
         with pytest.raises(SystemExit):
             train.build_config(train.parse_args([DETR, flag, value]))
@@ -261,7 +261,7 @@ def test_compile_hook_in_a_runner(tmp_path):
     cfg.default_hooks.checkpoint = None
     runner = Runner.from_cfg(cfg)
     runner.train()
-    hook = next(h for h in runner.hooks if isinstance(h, fast_training.CompileTransformerLayersHook))
+    hook = next(h for h in runner.hooks if isinstance(h, fast_training.FastPathCompileHook))
     assert hook.compiled == ["backbone", "neck", "encoder.layers.0", "decoder.layers.0"]
     assert runner.optim_wrapper.optimizer.defaults["fused"] is True
     assert runner.iter == 1
@@ -288,7 +288,7 @@ def test_mask2former_layers_compile_fullgraph_and_train():
     model = build_model(cfg, backend="pytorch")
     optim = build_optim_wrapper(model, cfg.optim_wrapper)
     torch._dynamo.reset()
-    names = fast_training.compile_transformer_layers(model, backend="aot_eager")
+    names = fast_training.compile_fast_path_modules(model, backend="aot_eager")
     assert len(names) == 16 and names[:2] == ["backbone", "panoptic_head.pixel_decoder.encoder.layers.0"]
     assert names[-1] == "panoptic_head.transformer_decoder.layers.8"
     model.train()
@@ -311,8 +311,8 @@ def test_reduce_overhead_marks_a_cuda_graph_step_before_each_model_step(monkeypa
     assert model.test_step("batch") == "out"
     assert calls == ["mark", ("test", "batch")]
     graphed, _ = tiny_model()
-    fast_training.compile_transformer_layers(graphed, mode="reduce-overhead", backend="aot_eager")
+    fast_training.compile_fast_path_modules(graphed, mode="reduce-overhead", backend="aot_eager")
     assert all(getattr(graphed, name)._marks_cuda_graph_steps for name in fast_training.STEP_METHODS)
     plain, _ = tiny_model()
-    fast_training.compile_transformer_layers(plain, mode="default", backend="aot_eager")
+    fast_training.compile_fast_path_modules(plain, mode="default", backend="aot_eager")
     assert not getattr(plain.train_step, "_marks_cuda_graph_steps", False)
