@@ -108,8 +108,9 @@ def _require_rank(name: str, tensor: torch.Tensor, rank: int, layout: str) -> No
 
 
 def _require_same_size(what: str, sizes: dict[str, int]) -> None:
-    distinct = set(sizes.values())
-    if len(distinct) != 1:
+    # compared, not hashed: under torch.compile's dynamic shapes a set would pin each size's value
+    first, *rest = sizes.values()
+    if any(size != first for size in rest):
         detail = ", ".join(f"{name}: {size}" for name, size in sizes.items())
         raise ValueError(f"{what} differs between arguments ({detail})")
 

@@ -43,9 +43,18 @@ ELEMENT_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
 Entries = dict[str, dict[str, dict[str, list[tuple[str, float]]]]]
 
 
+def work_bits(work) -> int:
+    """`max(work, 1).bit_length()`, by comparisons: under torch.compile's dynamic shapes a symbolic
+    work size then guards on its power-of-two range (one graph per bucket), not on its value."""
+    bits = 1
+    while work >= 1 << bits:
+        bits += 1
+    return bits
+
+
 def shape_key(dtype: torch.dtype, heads: int, channels: int, levels: int, points: int, work: int) -> str:
     """What a table entry is keyed on; `work` (batch x queries) is bucketed by powers of two."""
-    return f"{str(dtype).removeprefix('torch.')}/h{heads}/c{channels}/l{levels}/p{points}/w{max(work, 1).bit_length()}"
+    return f"{str(dtype).removeprefix('torch.')}/h{heads}/c{channels}/l{levels}/p{points}/w{work_bits(work)}"
 
 
 def inputs_key(inputs: MSDAInputs) -> str:

@@ -236,3 +236,21 @@ def rel_l2(actual: torch.Tensor, expected: torch.Tensor) -> float:
 def rounding_error(exact: torch.Tensor, dtype: torch.dtype) -> float:
     """Relative L2 error of rounding the exact result to `dtype`: the floor for any kernel."""
     return rel_l2(exact.to(dtype), exact)
+
+
+def symbolic_sizes(**hints: int):
+    """Symbolic sizes as torch.compile's dynamic shapes trace them (one per keyword, with its hint),
+    and their shape environment: what planning code does with them shows in its guards."""
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
+
+    env = ShapeEnv()
+    sizes = [
+        env.create_symintnode(env.create_symbol(hint, ConstantSource(name), dynamic_dim=DimDynamic.DYNAMIC), hint=hint)
+        for name, hint in hints.items()
+    ]
+    return sizes, env
+
+
+def guards(env) -> list[str]:
+    return [str(guard.expr) for guard in env.guards]

@@ -164,3 +164,16 @@ def test_cpu_shapes_are_checked_when_the_starts_live_on_the_device(problem):
     bad[0, 0] = 9
     with pytest.raises(ValueError, match="cover 31 keys"):
         validate(on_meta["value"], bad, starts, on_meta["sampling_locations"], on_meta["attention_weights"])
+
+
+def test_size_checks_relate_symbolic_sizes_without_pinning_them():
+    """A set of symbolic sizes would hash them, pinning each to its value under dynamic shapes."""
+    from mmdeform_tma.inputs import _require_same_size
+    from msda_cases import guards, symbolic_sizes
+
+    (a, b), env = symbolic_sizes(a=300, b=300)
+    x, y = a.node.expr, b.node.expr  # before the check: equal symbols are merged after it
+    _require_same_size("number of queries", {"sampling_locations": a, "attention_weights": b})
+    assert guards(env) in ([f"Eq({x}, {y})"], [f"Eq({y}, {x})"])
+    with pytest.raises(ValueError, match="number of queries differs"):
+        _require_same_size("number of queries", {"sampling_locations": 3, "attention_weights": 4})

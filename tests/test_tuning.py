@@ -221,3 +221,17 @@ def test_backward_direction_traces_fullgraph_and_guards_on_the_flag():
     finally:
         torch.use_deterministic_algorithms(before)
         torch._dynamo.reset()
+
+
+def test_work_bits_is_bit_length_and_guards_a_symbolic_size_on_its_range_only():
+    """Under torch.compile's dynamic shapes the query count is symbolic: the tuning key must not
+    pin its value (a recompile per size), only its power-of-two bucket."""
+    from msda_cases import guards, symbolic_sizes
+
+    assert [tuning.work_bits(n) for n in range(0, 9)] == [max(n, 1).bit_length() for n in range(0, 9)]
+    assert tuning.work_bits(2**40) == 41
+    (queries,), env = symbolic_sizes(queries=20197)
+    assert tuning.work_bits(2 * queries) == (2 * 20197).bit_length()
+    q = queries.node.expr
+    assert guards(env)[-2:] == [f"2*{q} >= 32768", f"2*{q} < 65536"]
+    assert not any(g.startswith("Eq(") for g in guards(env))

@@ -34,6 +34,7 @@ import argparse
 import bisect
 import contextlib
 import copy
+import itertools
 import re
 import statistics
 import sys
@@ -305,6 +306,7 @@ class Result:
     scalar_reads: float | None = None
     host_phases: dict = field(default_factory=dict)  # label -> host_ms, launches, syncs, scalar_reads
     gpu_over_wall_pct: float | None = None
+    compiled_graphs: int | None = None  # fast rows: graphs torch.compile made over the whole run
     bound: str | None = None  # 'host' or 'GPU'
     losses: list = field(default_factory=list)
     max_loss_rel_diff_vs_mmcv: float | None = None
@@ -330,20 +332,28 @@ def run_one(
     mode, scope = fast or (None, None)
     result = Result(backend, precision, fast is not None, repeat, mode, scope)
     fast_options = dict(mode=mode, scope=scope, **({"backend": args.compile_backend} if args.compile_backend else {}))
+    if fast:
+        from torch._dynamo.utils import counters
+
+        counters.clear()  # compiled_graphs below counts this run's graphs
     model, cfg = build_model(args.config, backend, device, args.seed, fast_options if fast else None)
-    batches = [batch_for_config(cfg, args.batch, args.height, args.width, device, args.seed + i) for i in range(args.parity_steps)]
+    sizes = args.image_sizes
+    batches = [
+        batch_for_config(cfg, args.batch, *sizes[i % len(sizes)], device, args.seed + i)
+        for i in range(max(args.parity_steps, len(sizes)))
+    ]
     optim_wrapper = make_optim_wrapper(model, cfg, precision)
     model.train()
     torch.manual_seed(args.seed)  # dropout draws the same numbers for every backend
-    for batch in batches:  # loss parity: the first steps, from the same init and batches
+    for batch in batches[: args.parity_steps]:  # loss parity: the first steps, from the same init and batches
         losses = model.train_step(batch, optim_wrapper)
         result.losses.append(float(losses["loss"]))
-    batch = batches[0]
+    rotation = itertools.cycle(batches[: len(sizes)])  # one batch per image size, in turn
 
     def train_step():
-        model.train_step(batch, optim_wrapper)
+        model.train_step(next(rotation), optim_wrapper)
 
-    for _ in range(args.warmup):
+    for _ in range(args.warmup * len(sizes)):  # each size: compiled, then graphed, then warm
         train_step()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -365,13 +375,26 @@ def run_one(
 
     def infer_step():
         with torch.no_grad(), torch.autocast(device.type, dtype=amp_dtype, enabled=PRECISIONS[precision] is not None):
-            model.test_step(batch)
+            model.test_step(next(rotation))
 
-    for _ in range(args.warmup):
+    for _ in range(args.warmup * len(sizes)):
         infer_step()
     result.infer_ms = bench_common.summarize(time_loop(infer_step, args.iters, device))
     result.images_per_s = args.batch / (result.infer_ms["median_ms"] / 1e3)
+    if fast:
+        result.compiled_graphs = counters["stats"]["unique_graphs"]
     return result
+
+
+def parse_image_sizes(text: str) -> list[tuple[int, int]]:
+    """'800x1216' or '800x1216,640x1024,...': the sizes the runs rotate through."""
+    try:
+        sizes = [tuple(int(x) for x in size.split("x")) for size in text.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or any(len(size) != 2 or min(size) <= 0 for size in sizes):
+        raise ValueError(f"image sizes must be HxW[,HxW...], got {text!r}")
+    return sizes
 
 
 def default_image_size(config_path: str, gpu: bool) -> str:
@@ -400,7 +423,11 @@ def parse_args(argv=None):
     p.add_argument("--compile-backend", default=None, help=argparse.SUPPRESS)  # tests trace with aot_eager on the CPU
     p.add_argument("--precisions", nargs="*", choices=list(PRECISIONS), default=None)
     p.add_argument("--batch", type=int, default=None)
-    p.add_argument("--image-size", default=None, help="HxW (default 800x1216 on GPU, 128x128 on CPU)")
+    p.add_argument(
+        "--image-size", default=None,
+        help="HxW (default 800x1216 on GPU, 128x128 on CPU), or HxW,HxW,... to rotate through several "
+        "(what multi-scale training does to compiled graphs: each size is warmed up first)",
+    )
     p.add_argument("--iters", type=int, default=None)
     p.add_argument("--warmup", type=int, default=None)
     p.add_argument("--parity-steps", type=int, default=None)
@@ -423,7 +450,7 @@ def parse_args(argv=None):
     for scope in args.compile_scope:
         fast_training.check_choice("scope", scope, fast_training.COMPILE_SCOPES)
     args.batch = args.batch or (2 if gpu else 1)
-    args.height, args.width = (int(x) for x in (args.image_size or default_image_size(args.config, gpu)).split("x"))
+    args.image_sizes = parse_image_sizes(args.image_size or default_image_size(args.config, gpu))
     args.iters = args.iters or (20 if gpu else 2)
     args.warmup = args.warmup if args.warmup is not None else (5 if gpu else 1)
     args.parity_steps = args.parity_steps or (10 if gpu else 2)
@@ -438,7 +465,7 @@ def main(argv=None) -> int:
     backends = args.backends if args.backends is not None else ["stock", *mmdeform_tma.available_backends(device)]
     env = bench_common.environment(device)
     env.update(
-        config=args.config, batch=args.batch, image_size=f"{args.height}x{args.width}",
+        config=args.config, batch=args.batch, image_size=",".join(f"{h}x{w}" for h, w in args.image_sizes),
         compile_mode=args.compile_mode, compile_scope=args.compile_scope, repeats=args.repeats,
     )
     results: list[Result] = []
@@ -505,7 +532,7 @@ def summarize_runs(results: list[Result]) -> list[dict]:
         )
         for key in (
             "gpu_kernel_ms", "gpu_over_wall_pct", "kernel_launches", "graph_launches", "host_syncs", "scalar_reads",
-            "peak_memory_mb", "peak_reserved_mb", "msda_share_pct", "max_loss_rel_diff_vs_mmcv",
+            "compiled_graphs", "peak_memory_mb", "peak_reserved_mb", "msda_share_pct", "max_loss_rel_diff_vs_mmcv",
         ):
             row[key] = median_or_none([getattr(r, key) for r in good])
         labels = list(dict.fromkeys(label for r in good for label in r.host_phases))
@@ -531,8 +558,8 @@ def summarize_runs(results: list[Result]) -> list[dict]:
 def table(results: list[Result]) -> tuple[list[str], list[list[object]]]:
     header = [
         "variant", "precision", "train ms/iter", "spread", "vs stock", "GPU kernel ms/iter", "GPU/wall %", "bound",
-        "launches/iter", "graph replays/iter", "syncs/iter", "scalar reads/iter", "infer ms/batch", "infer vs stock", "images/s", "peak MB", "reserved MB",
-        "MSDA %", "loss diff vs mmcv",
+        "launches/iter", "graph replays/iter", "syncs/iter", "scalar reads/iter", "infer ms/batch", "infer vs stock",
+        "images/s", "peak MB", "reserved MB", "compiled graphs", "MSDA %", "loss diff vs mmcv",
     ]
     rows = []
     for r in summarize_runs(results):
@@ -545,8 +572,8 @@ def table(results: list[Result]) -> tuple[list[str], list[list[object]]]:
                 fmt(r["train_vs_stock"], ".2f"), fmt(r["gpu_kernel_ms"], ".1f"), fmt(r["gpu_over_wall_pct"], ".0f"),
                 r["bound"] or "-", fmt(r["kernel_launches"], ".0f"), fmt(r["graph_launches"], ".0f"), fmt(r["host_syncs"], ".0f"),
                 fmt(r["scalar_reads"], ".0f"), fmt(r["infer_ms"], ".1f"), fmt(r["infer_vs_stock"], ".2f"),
-                fmt(r["images_per_s"], ".1f"), fmt(r["peak_memory_mb"], ".0f"), fmt(r["peak_reserved_mb"], ".0f"), fmt(r["msda_share_pct"], ".0f"),
-                fmt(r["max_loss_rel_diff_vs_mmcv"], ".1e"),
+                fmt(r["images_per_s"], ".1f"), fmt(r["peak_memory_mb"], ".0f"), fmt(r["peak_reserved_mb"], ".0f"),
+                fmt(r["compiled_graphs"], ".0f"), fmt(r["msda_share_pct"], ".0f"), fmt(r["max_loss_rel_diff_vs_mmcv"], ".1e"),
             ]
         )
     return header, rows

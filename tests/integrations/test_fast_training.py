@@ -181,25 +181,31 @@ def test_compile_fast_path_modules_refuses_a_model_without_them():
         fast_training.compile_fast_path_modules(torch.nn.Linear(2, 2))
 
 
-def tiny_training_losses(steps: int, dropout: bool = True, **compile_kwargs) -> list[float]:
-    """Losses of `steps` training steps of the tiny model; compiled when given compile arguments."""
+def tiny_training_losses(steps: int, dropout: bool = True, sizes=((128, 128),), graphs=None, **compile_kwargs) -> list[float]:
+    """Losses of `steps` training steps of the tiny model, step i on images of sizes[i % len(sizes)];
+    compiled when given compile arguments, and then `graphs` (a list) gets the number of graphs
+    compiled so far after each step."""
     from benchmark_e2e import make_optim_wrapper
     from mmdet_models import switch_off_dropout
     from synthetic_batches import synthetic_batch
+    from torch._dynamo.utils import counters
 
     model, cfg = tiny_model()
     if not dropout:
         switch_off_dropout(model)
     if compile_kwargs:
         torch._dynamo.reset()
+        counters.clear()
         fast_training.compile_fast_path_modules(model, **compile_kwargs)
     optim = make_optim_wrapper(model, cfg, "fp32")
     model.train()
     torch.manual_seed(0)
-    losses = [
-        float(model.train_step(synthetic_batch(2, 128, 128, 3, torch.device("cpu"), seed=s), optim)["loss"])
-        for s in range(steps)
-    ]
+    losses = []
+    for step in range(steps):
+        batch = synthetic_batch(2, *sizes[step % len(sizes)], 3, torch.device("cpu"), seed=step)
+        losses.append(float(model.train_step(batch, optim)["loss"]))
+        if graphs is not None:
+            graphs.append(counters["stats"]["unique_graphs"])
     torch._dynamo.reset()
     return losses
 
@@ -223,6 +229,20 @@ def test_inductor_network_scope_trains_as_eager_with_dropout_off():
     compiled = tiny_training_losses(3, dropout=False, mode="default", scope="network")
     assert compiled == pytest.approx(eager, rel=1e-5)
     assert compiled[0] != compiled[-1]
+
+
+def test_new_image_sizes_stop_compiling_once_the_graphs_turn_dynamic():
+    """Multi-scale training meets dozens of bucket sizes. With the fast path's automatic dynamic
+    shapes every module is compiled at most three times (static, then symbolic in height, then in
+    width); later sizes reuse the graphs, including the MSDA op's planning (the reference backend
+    here), and train as eager."""
+    sizes = [(128, 128), (128, 256), (256, 128), (256, 256), (128, 384), (384, 256)]
+    graphs = []
+    eager = tiny_training_losses(len(sizes), dropout=False, sizes=sizes)
+    compiled = tiny_training_losses(len(sizes), dropout=False, sizes=sizes, graphs=graphs, backend="aot_eager")
+    assert compiled == pytest.approx(eager, rel=1e-5)
+    assert graphs[0] == 4  # backbone, neck, encoder layer, decoder layer
+    assert graphs[3:] == [graphs[2]] * 3, f"graphs compiled after each size: {graphs}"
 
 
 def test_train_tool_fast_options():

@@ -300,3 +300,31 @@ def test_profile_ncu_backward_configs_need_exactly_one_backend(capsys):
     with pytest.raises(SystemExit):
         profile_ncu.main(["--backends", "tma_ws", "cuda", "--backward-configs", "c4_t32_s2_w16"])
     assert "exactly one" in capsys.readouterr().err
+
+
+def test_benchmark_e2e_rotates_image_sizes_and_counts_compiled_graphs(tmp_path):
+    """Several sizes, as multi-scale training feeds them: every step takes the next size (the second
+    one makes the compiled modules recompile, 8 graphs for one size: 4 modules x train and eval)."""
+    pytest.importorskip("mmdet")
+    import benchmark_e2e
+
+    argv = [
+        "--device", "cpu", "--backends", "--fast-backends", "pytorch", "--compile-backend", "aot_eager",
+        "--image-size", "128x128,128x192", "--iters", "2", "--warmup", "1", "--parity-steps", "1",
+        "--out", str(tmp_path / "e2e"),
+    ]
+    assert benchmark_e2e.main(argv) == 0
+    data = json.loads((tmp_path / "e2e.json").read_text())
+    (result,) = data["results"]
+    assert data["environment"]["image_size"] == "128x128,128x192" and result["error"] is None
+    assert result["compiled_graphs"] > 8
+
+
+def test_image_sizes_parse_and_refuse_malformed_ones():
+    import benchmark_e2e
+
+    assert benchmark_e2e.parse_image_sizes("800x1216") == [(800, 1216)]
+    assert benchmark_e2e.parse_image_sizes("800x1216,640x1024") == [(800, 1216), (640, 1024)]
+    for bad in ("800", "800x", "0x128", "800x1216,", "axb"):
+        with pytest.raises(ValueError, match="HxW"):
+            benchmark_e2e.parse_image_sizes(bad)
