@@ -13,8 +13,8 @@ launched the next ones (docs/benchmarks.md). This path cuts host work with exist
   transformer layers only): a ResNet's convolutions keep cuDNN, its frozen batch norms,
   activations and AMP casts fuse.
 - CUDA graphs (`mode='reduce-overhead'`, the default): each compiled module's forward and
-  backward replay from a graph, a few launches where there were hundreds; shapes are static per
-  image-size bucket (below). Each of the model's train, val and test steps first marks a new
+  backward replay from a graph, a few launches where there were hundreds; one graph is recorded
+  per image-size bucket (below). Each of the model's train, val and test steps first marks a new
   CUDA-graph iteration (`torch.compiler.cudagraph_mark_step_begin`): with several compiled
   regions per step, torch's own guess of where an iteration starts failed (the backbone's graph
   outputs were taken for pending work and overwritten). On an H100 this made a Deformable DETR
@@ -150,8 +150,7 @@ def compile_fast_path_modules(
     layers = transformer_layers(model)
     if not layers:
         raise ValueError(f"{type(model).__name__} has no DetrTransformerEncoderLayer / DecoderLayer to compile")
-    if scope == "network":
-        layers = network_parts(model) + layers
+    modules = network_parts(model) + layers if scope == "network" else layers
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, DYNAMO_CACHE_SIZE_LIMIT)
     compile_kwargs.setdefault("fullgraph", True)
     # torch's automatic dynamic shapes: static graphs until a module meets a second input size, then
@@ -162,9 +161,9 @@ def compile_fast_path_modules(
         mark_cuda_graph_steps(stepped)
     if compile_kwargs.get("backend", "inductor") != "inductor":
         mode = None  # modes are inductor's; tests trace with 'aot_eager' on the CPU
-    for _, layer in layers:
-        layer.compile(mode=mode, **compile_kwargs)
-    return [name for name, _ in layers]
+    for _, module in modules:
+        module.compile(mode=mode, **compile_kwargs)
+    return [name for name, _ in modules]
 
 
 STEP_METHODS = ("train_step", "val_step", "test_step")
