@@ -336,3 +336,34 @@ def test_reduce_overhead_marks_a_cuda_graph_step_before_each_model_step(monkeypa
     plain, _ = tiny_model()
     fast_training.compile_fast_path_modules(plain, mode="default", backend="aot_eager")
     assert not getattr(plain.train_step, "_marks_cuda_graph_steps", False)
+
+
+def test_a_model_wrapper_gets_the_step_marks_and_its_module_the_compiled_parts():
+    """Under DDP the runner calls the wrapper's train/val/test steps (mmengine's DDP wrapper does not
+    call the module's), so the CUDA-graph step marks go there; the parts compiled are the module's."""
+    from mmengine.registry import MODEL_WRAPPERS
+
+    class StepWrapper(torch.nn.Module):
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+        def train_step(self, data, optim_wrapper):
+            return self.module.train_step(data, optim_wrapper)
+
+        def val_step(self, data):
+            return self.module.val_step(data)
+
+        def test_step(self, data):
+            return self.module.test_step(data)
+
+    MODEL_WRAPPERS.register_module(module=StepWrapper, force=True)
+    try:
+        model, _ = tiny_model()
+        wrapper = StepWrapper(model)
+        names = fast_training.compile_fast_path_modules(wrapper, mode="reduce-overhead", backend="aot_eager")
+        assert names == ["backbone", "neck", "encoder.layers.0", "decoder.layers.0"]
+        assert all(getattr(wrapper, name)._marks_cuda_graph_steps for name in fast_training.STEP_METHODS)
+        assert not hasattr(model.train_step, "_marks_cuda_graph_steps")
+    finally:
+        MODEL_WRAPPERS._module_dict.pop("StepWrapper", None)

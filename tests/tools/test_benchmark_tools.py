@@ -328,3 +328,27 @@ def test_image_sizes_parse_and_refuse_malformed_ones():
     for bad in ("800", "800x", "0x128", "800x1216,", "axb"):
         with pytest.raises(ValueError, match="HxW"):
             benchmark_e2e.parse_image_sizes(bad)
+
+
+def test_benchmark_e2e_turns_any_failure_into_an_error_row_and_goes_on(tmp_path, monkeypatch):
+    """A row that dies (an AssertionError inside torch's CUDA-graph trees did, on an H100) becomes
+    an error row; the rows after it still run."""
+    import benchmark_e2e
+
+    real = benchmark_e2e.run_one
+
+    def run_one(args, backend, precision, device, fast=None, repeat=0):
+        if fast is not None:
+            raise AssertionError("graph trees broke")
+        return real(args, backend, precision, device, fast, repeat)
+
+    monkeypatch.setattr(benchmark_e2e, "run_one", run_one)
+    argv = [
+        "--device", "cpu", "--backends", "pytorch", "--fast-backends", "pytorch", "--compile-scope", "layers", "network",
+        "--iters", "1", "--warmup", "1", "--parity-steps", "1", "--out", str(tmp_path / "e2e"),
+    ]
+    assert benchmark_e2e.main(argv) == 0
+    results = json.loads((tmp_path / "e2e.json").read_text())["results"]
+    assert [(r["compile_scope"], r["error"]) for r in results] == [
+        (None, None), ("layers", "AssertionError: graph trees broke"), ("network", "AssertionError: graph trees broke")
+    ]
