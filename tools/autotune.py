@@ -133,7 +133,7 @@ def main(argv=None) -> int:
                     continue
                 for direction in args.directions:
                     results = []
-                    listed = "backward" if direction == DETERMINISTIC else direction
+                    listed = tuning.kernel_direction(direction)
                     for index, config_name in enumerate(_extension.kernel_configs(backend, listed)):
                         problem = checker.problem(backend, listed, index)
                         if problem:

@@ -17,9 +17,9 @@ launched the next ones (docs/benchmarks.md). This path cuts host work with exist
   per image-size bucket (below). Each of the model's train, val and test steps first marks a new
   CUDA-graph iteration (`torch.compiler.cudagraph_mark_step_begin`): with several compiled
   regions per step, torch's own guess of where an iteration starts failed (the backbone's graph
-  outputs were taken for pending work and overwritten). On an H100 this made a Deformable DETR
-  bs 2 AMP iteration 113 ms against 193 ms compiled without graphs and 246 ms stock
-  (docs/benchmarks.md, session 6).
+  outputs were taken for pending work and overwritten). On an H100 (2026-11-23, commit 88fd07b)
+  this made a Deformable DETR bs 2 AMP iteration 113 ms against 193 ms compiled without graphs
+  and 246 ms stock (docs/benchmarks.md, session 6).
 - the optimizer's fused CUDA kernel (`fused=True`, torch's Adam/AdamW/SGD), which also lets AMP's
   GradScaler skip its per-step `found_inf.item()` synchronisation.
 - `MergedParamGroupsConstructor`: mmengine's default constructor with `paramwise_cfg` (every

@@ -79,10 +79,7 @@ def test_merged_param_groups_keep_every_parameter_s_settings_and_train_alike():
 
 def test_merging_refuses_an_optimizer_with_state():
     w = torch.nn.Parameter(torch.ones(2))
-    optimizer = torch.optim.SGD([w], lr=0.1)
-    w.grad = torch.ones(2)
-    optimizer.step()
-    optimizer = torch.optim.Adam([w])
+    optimizer = torch.optim.Adam([w])  # Adam keeps state per parameter from its first step
     w.grad = torch.ones(2)
     optimizer.step()
     with pytest.raises(ValueError, match="first step"):
