@@ -6,6 +6,8 @@
     python tools/benchmark_e2e.py --backends stock auto --fast-backends auto --precisions amp-fp16 --repeats 3
     python tools/benchmark_e2e.py --backends stock --fast-backends auto --compile-mode default reduce-overhead \
         --compile-scope layers network                              # four fast variants
+    python tools/benchmark_e2e.py --backends stock auto --fast-backends --precisions amp-fp16 --paired 10 --iters 10
+                                                                    # default path against stock, side by side
 
 For each backend ('stock' is mmcv's own, unpatched MultiScaleDeformableAttention.forward) and
 precision (fp32, amp-fp16, amp-bf16) it reports the training iteration time (forward, backward and
@@ -349,10 +351,7 @@ def run_one(
         losses = model.train_step(batch, optim_wrapper)
         result.losses.append(float(losses["loss"]))
     rotation = itertools.cycle(batches[: len(sizes)])  # one batch per image size, in turn
-
-    def train_step():
-        model.train_step(next(rotation), optim_wrapper)
-
+    train_step = training_step(model, optim_wrapper, rotation)
     for _ in range(args.warmup * len(sizes)):  # each size: compiled, then graphed, then warm
         train_step()
     if device.type == "cuda":
@@ -371,12 +370,7 @@ def run_one(
         result.bound = "GPU" if result.gpu_over_wall_pct >= 100 * BOUND_THRESHOLD else "host"
 
     model.eval()
-    amp_dtype = getattr(torch, PRECISIONS[precision] or "float32")
-
-    def infer_step():
-        with torch.no_grad(), torch.autocast(device.type, dtype=amp_dtype, enabled=PRECISIONS[precision] is not None):
-            model.test_step(next(rotation))
-
+    infer_step = inference_step(model, rotation, precision, device)
     for _ in range(args.warmup * len(sizes)):
         infer_step()
     result.infer_ms = bench_common.summarize(time_loop(infer_step, args.iters, device))
@@ -384,6 +378,91 @@ def run_one(
     if fast:
         result.compiled_graphs = counters["stats"]["unique_graphs"]
     return result
+
+
+def training_step(model, optim_wrapper, rotation):
+    def step():
+        model.train_step(next(rotation), optim_wrapper)
+
+    return step
+
+
+def inference_step(model, rotation, precision: str, device: torch.device):
+    amp_dtype = getattr(torch, PRECISIONS[precision] or "float32")
+
+    def step():
+        with torch.no_grad(), torch.autocast(device.type, dtype=amp_dtype, enabled=PRECISIONS[precision] is not None):
+            model.test_step(next(rotation))
+
+    return step
+
+
+def run_paired(args, backends: list[str], precision: str, device: torch.device) -> list[Result]:
+    """Eager variants measured side by side, for a host whose speed drifts between runs (on the
+    H100 machine one stock configuration's separate runs spread 245-317 ms). Every variant's model
+    is built once and held; then each of `args.paired` rounds times a block of `args.iters` training
+    steps of every variant, then a block of inference steps, the order rotating from round to
+    round. A drift slower than a round hits the variants of that round alike, so the per-round
+    ratio to stock (paired_ratios) is far tighter than the ratio of separate runs. Returns one
+    Result per variant and round, without the profiled breakdown (which would perturb the rounds)."""
+    held = []
+    for backend in backends:
+        model, cfg = build_model(args.config, backend, device, args.seed)
+        batches = [
+            batch_for_config(cfg, args.batch, h, w, device, args.seed + i) for i, (h, w) in enumerate(args.image_sizes)
+        ]
+        optim_wrapper = make_optim_wrapper(model, cfg, precision)
+        rotation = itertools.cycle(batches)
+        held.append((backend, model, training_step(model, optim_wrapper, rotation),
+                     inference_step(model, rotation, precision, device)))
+    for _, model, train_step, infer_step in held:
+        model.train()
+        for _ in range(args.warmup * len(args.image_sizes)):
+            train_step()
+        model.eval()
+        for _ in range(args.warmup * len(args.image_sizes)):
+            infer_step()
+    results = []
+    for round_ in range(args.paired):
+        order = held[round_ % len(held):] + held[: round_ % len(held)]
+        timed = {backend: Result(backend, precision, repeat=round_) for backend, *_ in held}
+        for backend, model, train_step, _ in order:
+            model.train()
+            timed[backend].train_ms = bench_common.summarize(time_loop(train_step, args.iters, device))
+        for backend, model, _, infer_step in order:
+            model.eval()
+            timed[backend].infer_ms = bench_common.summarize(time_loop(infer_step, args.iters, device))
+            timed[backend].images_per_s = args.batch / (timed[backend].infer_ms["median_ms"] / 1e3)
+        results.extend(timed[backend] for backend, *_ in held)
+    return results
+
+
+def paired_ratios(results: list[Result]) -> list[dict]:
+    """Per variant and precision: each round's median time over stock's in the same round, for
+    training and inference; the median of those ratios and their smallest and largest."""
+    rows = []
+    for label, precision in dict.fromkeys((r.label, r.precision) for r in results if r.label != "stock"):
+        ratios = {"train": [], "infer": []}
+        for r in results:
+            if (r.label, r.precision) != (label, precision) or r.error:
+                continue
+            stock = next(
+                (s for s in results if (s.label, s.precision, s.repeat) == ("stock", precision, r.repeat) and not s.error),
+                None,
+            )
+            for kind in ratios:
+                mine, base = getattr(r, f"{kind}_ms"), getattr(stock, f"{kind}_ms", None) if stock else None
+                if mine and base:
+                    ratios[kind].append(mine["median_ms"] / base["median_ms"])
+        if ratios["train"] or ratios["infer"]:
+            row = dict(label=label, precision=precision, rounds=len(ratios["train"]))
+            for kind, values in ratios.items():
+                row[f"{kind}_ratio"] = statistics.median(values) if values else None
+                row[f"{kind}_ratio_min"] = min(values) if values else None
+                row[f"{kind}_ratio_max"] = max(values) if values else None
+                row[f"{kind}_rounds_slower"] = sum(v > 1.0 for v in values)
+            rows.append(row)
+    return rows
 
 
 def parse_image_sizes(text: str) -> list[tuple[int, int]]:
@@ -433,6 +512,11 @@ def parse_args(argv=None):
     p.add_argument("--parity-steps", type=int, default=None)
     p.add_argument("--profile-iters", type=int, default=3, help="profiled iterations for the per-iteration breakdown")
     p.add_argument("--repeats", type=int, default=1, help="rounds of all runs, interleaved; the table gives the spread")
+    p.add_argument(
+        "--paired", type=int, default=0, metavar="ROUNDS",
+        help="eager --backends side by side: every model held at once, ROUNDS rounds each timing a block of "
+        "--iters steps per variant, the order rotating; reports each round's ratio to stock (needs 'stock')",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("bench_results/e2e"))
     args = p.parse_args(argv)
@@ -440,6 +524,12 @@ def parse_args(argv=None):
     gpu = args.device.type == "cuda"
     args.config = args.config or DEFAULT_CONFIG[args.device.type]
     args.precisions = args.precisions or (list(PRECISIONS) if gpu else ["fp32"])
+    if args.paired:
+        if args.fast_backends:
+            p.error("--paired holds every model at once and measures eager backends; run the fast path's rows without it")
+        if not args.backends or "stock" not in args.backends or len(args.backends) < 2:
+            p.error("--paired needs 'stock' and at least one other eager backend in --backends")
+        args.fast_backends = []
     args.fast_backends = args.fast_backends if args.fast_backends is not None else (["auto"] if gpu else [])
     from mmdeform_tma.integrations import fast_training
 
@@ -466,8 +556,22 @@ def main(argv=None) -> int:
     env = bench_common.environment(device)
     env.update(
         config=args.config, batch=args.batch, image_size=",".join(f"{h}x{w}" for h, w in args.image_sizes),
-        compile_mode=args.compile_mode, compile_scope=args.compile_scope, repeats=args.repeats,
+        compile_mode=args.compile_mode, compile_scope=args.compile_scope, repeats=args.repeats, paired_rounds=args.paired,
     )
+    if args.paired:
+        results = []
+        for precision in args.precisions:
+            try:
+                results.extend(run_paired(args, backends, precision, device))
+            except Exception as exc:  # noqa: BLE001 - reported as error rows, like the separate runs'
+                print(f"e2e: paired {precision} failed:\n{traceback.format_exc()}", file=sys.stderr)
+                results.extend(Result(b, precision, error=f"{type(exc).__name__}: {str(exc)[:300]}") for b in backends)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            write_outputs(args.out, env, results)
+        print(format_table(results))
+        print(f"\nwrote {args.out}.json, {args.out}.md, {args.out}.png  ({env['device']}, commit {env['commit']})")
+        return 0
     results: list[Result] = []
     fast_options = [(m, s) for m in args.compile_mode for s in args.compile_scope]
     variants = [(b, None) for b in backends] + [(b, f) for b in args.fast_backends for f in fast_options]
@@ -605,8 +709,22 @@ def format_table(results: list[Result]) -> str:
 
 
 def write_outputs(prefix: Path, env: dict, results: list[Result]) -> None:
-    bench_common.write_json(prefix.with_suffix(".json"), {"environment": env, "results": [asdict(r) for r in results]})
+    paired = paired_ratios(results) if env.get("paired_rounds") else []
+    bench_common.write_json(
+        prefix.with_suffix(".json"),
+        {"environment": env, "results": [asdict(r) for r in results], **({"paired_ratios": paired} if paired else {})},
+    )
     header, rows = table(results)
+    rounds = (
+        f"The variants ran side by side (--paired): every model held at once, {env.get('paired_rounds')} rounds, each "
+        "timing a block of training steps of every variant and then a block of inference steps, the order "
+        "rotating; times are the median over the rounds of each round's median, 'spread' the smallest and largest "
+        "round. No profiled breakdown (it would perturb the rounds)."
+        if paired else
+        f"Each variant ran {env.get('repeats', 1)} time(s), the rounds interleaved; times are the median over the "
+        "runs of each run's median, 'spread' the smallest and largest run, 'vs stock' the ratio to stock's "
+        "median of the same precision."
+    )
     prefix.with_suffix(".md").write_text(
         "\n".join(
             [
@@ -622,9 +740,7 @@ def write_outputs(prefix: Path, env: dict, results: list[Result]) -> None:
                 "masks than eager, so theirs is not a parity measure (tools/compare_loss_curves.py over 100 "
                 "iterations is).",
                 "",
-                f"Each variant ran {env.get('repeats', 1)} time(s), the rounds interleaved; times are the median over the "
-                "runs of each run's median, 'spread' the smallest and largest run, 'vs stock' the ratio to stock's "
-                "median of the same precision.",
+                rounds,
                 "",
                 "Per training iteration, from a profiler trace of a few iterations: 'GPU kernel ms' is the sum of "
                 "kernel durations, 'launches' the cudaLaunch*/cuLaunch*/cudaGraphLaunch calls ('graph replays' the last "
@@ -637,12 +753,38 @@ def write_outputs(prefix: Path, env: dict, results: list[Result]) -> None:
                 "reduce-overhead (graph replays allocate nothing, so 'peak MB' misses them).",
                 "",
                 bench_common.markdown_table(header, rows),
+                *paired_section(paired),
                 *phase_section(results),
             ]
         )
         + "\n"
     )
     plot(prefix.with_suffix(".png"), env, results)
+
+
+def paired_section(paired: list[dict]) -> list[str]:
+    if not paired:
+        return []
+    header = ["variant", "precision", "rounds", "train vs stock", "range", "rounds slower", "infer vs stock", "range", "rounds slower"]
+    rows = [
+        [
+            p["label"], p["precision"], p["rounds"],
+            fmt(p["train_ratio"], ".3f"), f"{fmt(p['train_ratio_min'], '.3f')}-{fmt(p['train_ratio_max'], '.3f')}",
+            p["train_rounds_slower"],
+            fmt(p["infer_ratio"], ".3f"), f"{fmt(p['infer_ratio_min'], '.3f')}-{fmt(p['infer_ratio_max'], '.3f')}",
+            p["infer_rounds_slower"],
+        ]
+        for p in paired
+    ]
+    return [
+        "",
+        "## Paired rounds: each round against stock's in the same round",
+        "",
+        "The median of the per-round ratios, their smallest and largest, and in how many rounds the variant "
+        "was the slower.",
+        "",
+        bench_common.markdown_table(header, rows),
+    ]
 
 
 def phase_section(results: list[Result]) -> list[str]:

@@ -110,6 +110,57 @@ def test_benchmark_e2e_fast_rows_and_interleaved_repeats(tmp_path):
     assert "| pytorch+fast[layers] | fp32 |" in markdown
 
 
+def test_benchmark_e2e_paired_rounds_hold_every_model_and_rotate(tmp_path):
+    pytest.importorskip("mmdet")
+    import benchmark_e2e
+
+    argv = [
+        "--device", "cpu", "--backends", "stock", "pytorch", "--paired", "3", "--iters", "2", "--warmup", "0",
+        "--out", str(tmp_path / "e2e"),
+    ]
+    assert benchmark_e2e.main(argv) == 0
+    saved = json.loads((tmp_path / "e2e.json").read_text())
+    results = saved["results"]
+    assert [(r["backend"], r["repeat"]) for r in results] == [
+        ("stock", 0), ("pytorch", 0), ("stock", 1), ("pytorch", 1), ("stock", 2), ("pytorch", 2),
+    ]
+    assert all(r["error"] is None and r["train_ms"]["samples"] == 2 and r["infer_ms"]["samples"] == 2 for r in results)
+    (ratio,) = saved["paired_ratios"]
+    assert ratio["label"] == "pytorch" and ratio["rounds"] == 3
+    assert ratio["train_ratio_min"] <= ratio["train_ratio"] <= ratio["train_ratio_max"]
+    markdown = (tmp_path / "e2e.md").read_text()
+    assert "## Paired rounds" in markdown and "| pytorch | fp32 | 3 |" in markdown
+
+
+def test_paired_ratios_divide_by_stock_of_the_same_round():
+    import benchmark_e2e
+
+    def run(label, repeat, train, infer):
+        return benchmark_e2e.Result(label, "amp-fp16", repeat=repeat, train_ms={"median_ms": train}, infer_ms={"median_ms": infer})
+
+    results = [
+        run("stock", 0, 300.0, 50.0), run("auto", 0, 270.0, 55.0),  # a slow round for both
+        run("stock", 1, 200.0, 40.0), run("auto", 1, 180.0, 38.0),
+        run("stock", 2, 250.0, 45.0), run("auto", 2, 260.0, 36.0),
+    ]
+    (row,) = benchmark_e2e.paired_ratios(results)
+    assert row["rounds"] == 3
+    assert row["train_ratio"] == pytest.approx(0.9) and row["train_ratio_max"] == pytest.approx(1.04)
+    assert row["train_rounds_slower"] == 1
+    assert row["infer_ratio"] == pytest.approx(0.95) and row["infer_ratio_max"] == pytest.approx(1.1)
+    assert row["infer_rounds_slower"] == 1
+
+
+def test_paired_mode_refuses_the_fast_path_and_needs_stock():
+    import benchmark_e2e
+
+    with pytest.raises(SystemExit):
+        benchmark_e2e.parse_args(["--device", "cpu", "--backends", "stock", "auto", "--fast-backends", "auto", "--paired", "3"])
+    with pytest.raises(SystemExit):
+        benchmark_e2e.parse_args(["--device", "cpu", "--backends", "auto", "cuda", "--paired", "3"])
+    assert benchmark_e2e.parse_args(["--device", "cpu", "--backends", "stock", "auto", "--paired", "3"]).fast_backends == []
+
+
 def test_fast_labels_name_what_differs_from_the_defaults():
     import benchmark_e2e
 
