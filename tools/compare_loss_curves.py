@@ -1,13 +1,23 @@
-"""Compare the training-loss curves of two mmengine work dirs (e.g. one GPU against DDP on two).
+"""Compare the training-loss curves of two mmengine work dirs (e.g. one GPU against DDP on two,
+or eager training against tools/train.py --fast).
 
     python tools/compare_loss_curves.py work_dirs/parity_1gpu work_dirs/parity_2gpu [--out report]
 
 Reads each run's newest `*/vis_data/scalars.json` and takes `global_loss` (the loss averaged over
-ranks, logged by mmdeform_tma's LossOverRanksHook) where logged, else `loss`. "Within noise" means:
-the RMS of the difference between the curves is at most the RMS of the reference curve's own
-iteration-to-iteration change. Also reported: the largest relative difference over the first
-iterations (where the runs should still agree to rounding) and the means over the last ten.
-Exits 1 when the curves are not within noise. --out writes JSON and a PNG of both curves.
+ranks, logged by mmdeform_tma's LossOverRanksHook) where logged, else `loss`. mmengine logs a
+loss as the running mean over the last `log_processor.window_size` iterations (mmdet's configs:
+50), which smooths away the iteration-to-iteration change the comparison measures noise by; where
+the run's saved config says so and every iteration was logged, the running means are undone
+exactly into per-iteration losses (otherwise: an error asking for `log_processor.window_size=1`).
+
+"Within noise" means both:
+- the RMS of the per-iteration difference between the curves is at most the RMS of the reference
+  curve's own iteration-to-iteration change;
+- over the second half, the mean difference is at most --max-offset (default 1 %) of the
+  reference's mean loss: a systematic offset that RMS noise could hide.
+Also reported: the largest relative difference over the first iterations (where the runs should
+still agree to rounding) and the means over the last ten. Exits 1 when the curves are not within
+noise. --out writes JSON and a PNG of both curves.
 """
 
 from __future__ import annotations
@@ -26,8 +36,36 @@ def find_scalars(work_dir: Path) -> Path:
     return candidates[-1]
 
 
-def read_curve(path: Path) -> dict[int, float]:
-    """Training iteration -> loss."""
+def logged_window(scalars: Path) -> int:
+    """The running-mean window mmengine logged the losses with: log_processor.window_size of the
+    config the run saved beside its scalars (mmengine's default, 10, where the config names none)."""
+    saved = scalars.parent / "config.py"
+    if not saved.exists():
+        return 1  # not an mmengine run dir (hand-made curves): the values are taken as logged
+    from mmengine.config import Config
+
+    window = Config.fromfile(str(saved)).get("log_processor", {}).get("window_size", 10)
+    if not isinstance(window, int):
+        raise ValueError(f"{saved}: log_processor.window_size={window!r}; compare runs logged with window_size=1")
+    return window
+
+
+def undo_running_means(means: list[float], window: int) -> list[float]:
+    """Per-iteration values from the running means mmengine logged at iterations 1, 2, 3, ...:
+    mean_k averages the last min(k, window) values, so value_k = k mean_k - (k-1) mean_(k-1) while
+    k <= window, then value_k = window (mean_k - mean_(k-1)) + value_(k-window)."""
+    values: list[float] = []
+    for k, mean in enumerate(means, start=1):
+        previous = means[k - 2] if k > 1 else 0.0
+        if k <= window:
+            values.append(k * mean - (k - 1) * previous)
+        else:
+            values.append(window * (mean - previous) + values[k - 1 - window])
+    return values
+
+
+def read_curve(path: Path, window: int | None = None) -> dict[int, float]:
+    """Training iteration -> loss, per iteration (running means undone; see logged_window)."""
     curve = {}
     for line in path.read_text().splitlines():
         record = json.loads(line)
@@ -36,6 +74,15 @@ def read_curve(path: Path) -> dict[int, float]:
         curve[int(record["step"] if "step" in record else record["iter"])] = float(record.get("global_loss", record["loss"]))
     if not curve:
         raise ValueError(f"{path}: no training losses")
+    window = logged_window(path) if window is None else window
+    if window > 1:
+        steps = sorted(curve)
+        if steps != list(range(1, len(steps) + 1)):
+            raise ValueError(
+                f"{path}: losses logged as running means over {window} iterations, but not every iteration from 1: "
+                "log with default_hooks.logger.interval=1, or log_processor.window_size=1"
+            )
+        curve = dict(zip(steps, undo_running_means([curve[s] for s in steps], window)))
     return curve
 
 
@@ -43,7 +90,9 @@ def rms(values: list[float]) -> float:
     return math.sqrt(sum(v * v for v in values) / len(values)) if values else float("nan")
 
 
-def compare(reference: dict[int, float], other: dict[int, float], head: int = 5, tail: int = 10) -> dict:
+def compare(
+    reference: dict[int, float], other: dict[int, float], head: int = 5, tail: int = 10, max_offset: float = 0.01
+) -> dict:
     steps = sorted(set(reference) & set(other))
     if len(steps) < 3:
         raise ValueError(f"the runs share only {len(steps)} logged iterations")
@@ -51,11 +100,15 @@ def compare(reference: dict[int, float], other: dict[int, float], head: int = 5,
     b = [other[s] for s in steps]
     difference = rms([x - y for x, y in zip(a, b)])
     noise = rms([a[i + 1] - a[i] for i in range(len(a) - 1)])
+    half = len(steps) // 2
+    offset = sum(y - x for x, y in zip(a[half:], b[half:])) / sum(a[half:])  # (other - reference) / reference
     return {
         "iterations": len(steps),
         "rms_difference": difference,
         "rms_step_change": noise,
-        "within_noise": difference <= noise,
+        "second_half_offset": offset,
+        "max_offset": max_offset,
+        "within_noise": difference <= noise and abs(offset) <= max_offset,
         "max_rel_diff_first": max(abs(x - y) / abs(x) for x, y in zip(a[:head], b[:head])),
         "first_iterations": head,
         "mean_last_reference": sum(a[-tail:]) / len(a[-tail:]),
@@ -89,10 +142,17 @@ def main(argv=None) -> int:
     p.add_argument("reference", type=Path, help="work dir of the reference run (e.g. one GPU)")
     p.add_argument("other", type=Path, help="work dir of the run to check (e.g. DDP)")
     p.add_argument("--out", type=Path, help="write OUT.json and OUT.png")
+    p.add_argument("--max-offset", type=float, default=0.01, help="largest mean relative offset over the second half")
     args = p.parse_args(argv)
-    result = compare(read_curve(find_scalars(args.reference)), read_curve(find_scalars(args.other)))
+    scalars = [find_scalars(args.reference), find_scalars(args.other)]
+    windows = [logged_window(path) for path in scalars]
+    result = compare(*(read_curve(path, window) for path, window in zip(scalars, windows)), max_offset=args.max_offset)
+    result["logged_windows"] = windows
+    if max(windows) > 1:
+        print(f"losses were logged as running means over {windows} iterations: compared per iteration, means undone")
     print(f"{result['iterations']} iterations: RMS difference {result['rms_difference']:.4g}, "
-          f"RMS iteration-to-iteration change {result['rms_step_change']:.4g} -> "
+          f"RMS iteration-to-iteration change {result['rms_step_change']:.4g}; second-half offset "
+          f"{result['second_half_offset']:+.2%} (at most {args.max_offset:.0%}) -> "
           f"{'within noise' if result['within_noise'] else 'NOT within noise'}")
     print(f"largest relative difference over the first {result['first_iterations']} iterations: {result['max_rel_diff_first']:.2e}")
     print(f"mean of the last ten: {result['mean_last_reference']:.4f} ({args.reference}) vs {result['mean_last_other']:.4f} ({args.other})")

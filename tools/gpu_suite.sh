@@ -82,7 +82,7 @@ if has e2e; then
 fi
 if has parity; then
   [ -d data/synthetic_coco ] || python3 tools/make_synthetic_coco.py --out data/synthetic_coco >/dev/null
-  options="train_cfg.max_epochs=1 default_hooks.logger.interval=1 default_hooks.checkpoint.interval=1 randomness.seed=0"
+  options="train_cfg.max_epochs=1 default_hooks.logger.interval=1 log_processor.window_size=1 default_hooks.checkpoint.interval=1 randomness.seed=0"
   for model in ${PARITY_MODELS:-deformable-detr dino-4scale}; do
     config=configs/synthetic/${model}_r50_synthetic_tma-ws.py
     [ -f "$config" ] || config=$model  # a config path

@@ -1,6 +1,7 @@
 """tools/make_synthetic_coco.py, tools/train.py and tools/test.py on the CPU (tiny config)."""
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -99,3 +100,39 @@ def test_compare_loss_curves_flags_curves_apart(tmp_path):
     assert not compare_loss_curves.compare(reference, apart)["within_noise"]
     with pytest.raises(ValueError, match="share only"):
         compare_loss_curves.compare(reference, {100: 1.0})
+    noisy = {s: 10.0 - 0.1 * s + (0.5 if s % 2 else -0.5) for s in range(1, 21)}
+    offset = {s: v * 1.02 for s, v in noisy.items()}  # well inside the RMS noise, but 2 % high all along
+    result = compare_loss_curves.compare(noisy, offset)
+    assert result["rms_difference"] < result["rms_step_change"] and result["second_half_offset"] == pytest.approx(0.02)
+    assert not result["within_noise"]
+    assert compare_loss_curves.compare(noisy, offset, max_offset=0.03)["within_noise"]
+
+
+def write_logged_run(run_dir, losses, window, every=1):
+    """A run dir as mmengine leaves it: its config, and the running means its LogProcessor logs."""
+    from mmengine.logging import HistoryBuffer
+
+    (run_dir / "vis_data").mkdir(parents=True)
+    (run_dir / "vis_data" / "config.py").write_text(f"log_processor = dict(type='LogProcessor', window_size={window})\n")
+    buffer, lines = HistoryBuffer(), []
+    for step, loss in enumerate(losses, start=1):
+        buffer.update(loss)
+        if step % every == 0:
+            lines.append(json.dumps({"loss": float(buffer.mean(window)), "iter": step, "step": step}))
+    (run_dir / "vis_data" / "scalars.json").write_text("\n".join(lines) + "\n")
+    return run_dir / "vis_data" / "scalars.json"
+
+
+def test_compare_loss_curves_undoes_mmengine_running_means(tmp_path):
+    pytest.importorskip("mmengine")
+    sys.path.insert(0, str(ROOT / "tools"))
+    import compare_loss_curves
+
+    losses = [20.0 + 5.0 * math.sin(1.7 * i) + 0.1 * i for i in range(1, 41)]
+    scalars = write_logged_run(tmp_path / "a" / "20261123_000000", losses, window=7)
+    assert compare_loss_curves.logged_window(scalars) == 7
+    curve = compare_loss_curves.read_curve(scalars)
+    assert [curve[s] for s in sorted(curve)] == pytest.approx(losses, rel=1e-9)
+    sparse = write_logged_run(tmp_path / "b" / "20261123_000000", losses, window=7, every=2)
+    with pytest.raises(ValueError, match="window_size=1"):
+        compare_loss_curves.read_curve(sparse)
