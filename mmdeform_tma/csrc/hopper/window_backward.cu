@@ -171,8 +171,16 @@ __device__ __forceinline__ void build_gather_index(const Problem<scalar_t>& p, c
 
 #endif  // MMDEFORM_TMA_HOPPER_DEVICE
 
-template <typename scalar_t, int kChunkBytes, typename Sink, bool kGather>
-__global__ void __launch_bounds__(kMaxThreads, min_blocks_per_multiprocessor<scalar_t>())
+// The kernels built at 4 CTAs per SM (`_o4` configs): those ptxas fits in 96 registers without
+// spills. The fp16 16-byte-lane and fixed-point ones spill there and keep 3.
+template <typename scalar_t, int kChunkBytes, typename Sink>
+constexpr bool four_ctas_built() {
+  return std::is_same_v<Sink, AtomicSink<float>> && (sizeof(scalar_t) == 4 || kChunkBytes == 8);
+}
+
+template <typename scalar_t, int kChunkBytes, typename Sink, bool kGather,
+          int kCtasPerSm = min_blocks_per_multiprocessor<scalar_t>()>
+__global__ void __launch_bounds__(kMaxThreads, kCtasPerSm)
     backward_kernel(
     const __grid_constant__ CUtensorMap value_map, const __grid_constant__ Problem<scalar_t> p,
     const __grid_constant__ LaunchShape s,
@@ -335,6 +343,13 @@ Gradients backward(const ProblemTensors& problem, const at::Tensor& grad_output,
           if constexpr (gather_built(sizeof(scalar_t), kChunk)) {
             if (s.gather) {
               launch_persistent<scalar_t>(backward_kernel<scalar_t, kChunk, Sink, true>, problem, s, go, sink,
+                                          grad_locations, grad_weights);
+              return;
+            }
+          }
+          if constexpr (four_ctas_built<scalar_t, kChunk, Sink>()) {
+            if (s.ctas_per_sm == 4) {
+              launch_persistent<scalar_t>(backward_kernel<scalar_t, kChunk, Sink, false, 4>, problem, s, go, sink,
                                           grad_locations, grad_weights);
               return;
             }

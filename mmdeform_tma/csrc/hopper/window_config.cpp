@@ -74,6 +74,7 @@ LaunchShape shape_for(const ProblemTensors& problem, const Config& config, int c
     s.window_rows = 0;
   }
   s.window_cols_log2 = log2_exact(s.window_cols);
+  s.ctas_per_sm = config.ctas_per_sm;
   s.window_bytes = round128(s.window_rows * s.window_cols * s.row_bytes);
   s.meta_offset = s.window_bytes;
   const int stage_points = s.slots * static_cast<int>(problem.points);
@@ -114,6 +115,11 @@ const std::vector<Config>& configs() {
     list.push_back({"c4_t32_s2_w16_g", 4, 32, 2, 16, true});
     list.push_back({"c4_t32_s3_w16_g", 4, 32, 3, 16, true});
     list.push_back({"c4_t64_s2_w16_g", 4, 64, 2, 16, true});
+    // Backward only, not measured yet: the best plain configs of the H100 table (encoders,
+    // decoders) at 4 CTAs per SM. ncu had the encoder's at 3 CTAs (15 warps) and 83 % of L2
+    // throughput where `cuda`'s backward, with twice the warps, reaches 90 % (perf_notes.md).
+    list.push_back({"c4_t32_s2_w16_o4", 4, 32, 2, 16, false, 4});
+    list.push_back({"c4_t16_s2_l1_o4", 4, 16, 2, 0, false, 4});
     return list;
   }();
   return all;
@@ -122,7 +128,7 @@ const std::vector<Config>& configs() {
 std::vector<std::string> config_names() {
   std::vector<std::string> names;
   for (const auto& c : configs())
-    if (!c.gather) names.push_back(c.name);
+    if (!c.backward_only()) names.push_back(c.name);
   return names;
 }
 

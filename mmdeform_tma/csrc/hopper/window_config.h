@@ -33,11 +33,17 @@ struct Config {
   int stages;         // pipeline depth, in (tile, level) stages
   int window_kbytes;  // value-window budget per stage; 0 turns windows off (every point via L1)
   bool gather = false;  // backward only: sum each window cell's contributions before reducing (below)
+  // Backward only: CTAs per SM the kernel's registers are budgeted for. 4 (the `_o4` configs)
+  // caps them at 96 where ptxas fits that without spills (the fast fp16/bf16 8-byte-lane and
+  // fp32 kernels); elsewhere the kernel keeps its usual budget of 3.
+  int ctas_per_sm = 3;
+
+  bool backward_only() const { return gather || ctas_per_sm != 3; }
 };
 
 const std::vector<Config>& configs();
-// The forward's configs: every config but the gather ones, which come last, so that an index
-// means the same config in both directions.
+// The forward's configs: every config but the backward-only ones, which come last, so that an
+// index means the same config in both directions.
 std::vector<std::string> config_names();
 std::vector<std::string> backward_config_names();  // all of configs()
 
@@ -73,6 +79,7 @@ struct LaunchShape {
   int entries_offset;  // within a stage
   int touched_offset;  // within a stage
   int scratch_offset;  // the producer's per-cell counters (window_rows x window_cols ints)
+  int ctas_per_sm;     // the config's register budget (Config::ctas_per_sm)
 };
 
 // The geometry `config` gives for this problem (-1: the default heuristic); throws with the reason
