@@ -397,14 +397,14 @@ def inference_step(model, rotation, precision: str, device: torch.device):
     return step
 
 
-def run_paired(args, backends: list[str], precision: str, device: torch.device) -> list[Result]:
+def run_paired(args, backends: list[str], precision: str, device: torch.device):
     """Eager variants measured side by side, for a host whose speed drifts between runs (on the
     H100 machine one stock configuration's separate runs spread 245-317 ms). Every variant's model
     is built once and held; then each of `args.paired` rounds times a block of `args.iters` training
     steps of every variant, then a block of inference steps, the order rotating from round to
     round. A drift slower than a round hits the variants of that round alike, so the per-round
-    ratio to stock (paired_ratios) is far tighter than the ratio of separate runs. Returns one
-    Result per variant and round, without the profiled breakdown (which would perturb the rounds)."""
+    ratio to stock (paired_ratios) is far tighter than the ratio of separate runs. Yields each
+    round's Results, one per variant, without the profiled breakdown (which would perturb the rounds)."""
     held = []
     for backend in backends:
         model, cfg = build_model(args.config, backend, device, args.seed)
@@ -422,7 +422,6 @@ def run_paired(args, backends: list[str], precision: str, device: torch.device) 
         model.eval()
         for _ in range(args.warmup * len(args.image_sizes)):
             infer_step()
-    results = []
     for round_ in range(args.paired):
         order = held[round_ % len(held):] + held[: round_ % len(held)]
         timed = {backend: Result(backend, precision, repeat=round_) for backend, *_ in held}
@@ -433,8 +432,7 @@ def run_paired(args, backends: list[str], precision: str, device: torch.device) 
             model.eval()
             timed[backend].infer_ms = bench_common.summarize(time_loop(infer_step, args.iters, device))
             timed[backend].images_per_s = args.batch / (timed[backend].infer_ms["median_ms"] / 1e3)
-        results.extend(timed[backend] for backend, *_ in held)
-    return results
+        yield [timed[backend] for backend, *_ in held]
 
 
 def paired_ratios(results: list[Result]) -> list[dict]:
@@ -562,7 +560,9 @@ def main(argv=None) -> int:
         results = []
         for precision in args.precisions:
             try:
-                results.extend(run_paired(args, backends, precision, device))
+                for round_results in run_paired(args, backends, precision, device):
+                    results.extend(round_results)
+                    write_outputs(args.out, env, results)  # after every round: a timeout keeps what was measured
             except Exception as exc:  # noqa: BLE001 - reported as error rows, like the separate runs'
                 print(f"e2e: paired {precision} failed:\n{traceback.format_exc()}", file=sys.stderr)
                 results.extend(Result(b, precision, error=f"{type(exc).__name__}: {str(exc)[:300]}") for b in backends)
