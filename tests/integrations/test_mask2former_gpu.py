@@ -84,7 +84,8 @@ def test_amp_fp16_training_step_matches_stock_mmcv_in_amp_fp16(backend):
     its 12,544 sampled points; from 6 masks in a batch that overflows fp16 (65,504) to inf. The
     mask loss is then 0 (finite mask logits over inf) or NaN (a decoder layer's fp16 mask logits
     overflowed too). So against stock mmcv in the same precision: the same terms are non-finite,
-    and the finite ones agree as in fp32."""
+    and the finite ones agree within the bf16 test's tolerances (each layer's terms follow its own
+    Hungarian matching, which a difference in the MSDA's rounding can flip)."""
     skip_unless(backend, torch.float16)
     ours, stock = train_losses(backend, "amp-fp16")[0], train_losses("stock", "amp-fp16")[0]
     assert set(ours) == set(stock)

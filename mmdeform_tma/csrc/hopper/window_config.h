@@ -35,7 +35,7 @@ struct Config {
   bool gather = false;  // backward only: sum each window cell's contributions before reducing (below)
   // Backward only: CTAs per SM the kernel's registers are budgeted for. 4 (the `_o4` configs)
   // caps them at 96 where ptxas fits that without spills (the fast fp16/bf16 8-byte-lane and
-  // fp32 kernels); elsewhere the kernel keeps its usual budget of 3.
+  // fp32 kernels); elsewhere the kernel keeps its usual budget (3; fp64 1).
   int ctas_per_sm = 3;
 
   bool backward_only() const { return gather || ctas_per_sm != 3; }
