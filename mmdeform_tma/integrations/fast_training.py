@@ -44,11 +44,13 @@ the encoders' reference points, and mmengine's logging of every loss value.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 
 import torch
 from mmdet.models.data_preprocessors.data_preprocessor import BatchFixedSizePad
+from mmdet.models.detectors import DeformableDETR
 from mmdet.models.layers.transformer import DetrTransformerDecoderLayer, DetrTransformerEncoderLayer
 from mmdet.registry import MODELS, OPTIM_WRAPPER_CONSTRUCTORS
 from mmengine.hooks import Hook
@@ -64,6 +66,7 @@ COMPILE_SCOPES = ("layers", "network")
 DEFAULT_COMPILE_SCOPE = "network"
 NETWORK_PARTS = ("backbone", "neck")
 DEFAULT_BUCKET_STEP = 128
+UNBUCKETED_SHAPE = "batch_shape_before_bucket_pad"  # metainfo key BatchBucketPad adds
 FUSED_OPTIMIZERS = ("Adam", "AdamW", "SGD")
 # compiled graphs kept per module class: train and eval, static and dynamic, and any specialisations
 DYNAMO_CACHE_SIZE_LIMIT = 64
@@ -89,7 +92,83 @@ class BatchBucketPad(BatchFixedSizePad):
     def forward(self, inputs, data_samples=None):
         # the parent pads to self.size; it is set per batch (one preprocessor per process thread)
         self.size = bucket_size(*inputs.shape[-2:], self.step)
+        for sample in data_samples or ():
+            # what the batch was without buckets: the two-stage guard keeps proposals inside it
+            sample.set_metainfo({UNBUCKETED_SHAPE: tuple(inputs.shape[-2:])})
         return super().forward(inputs, data_samples)
+
+
+@functools.lru_cache(maxsize=4096)
+def kept_extent(unbucketed: int, padded: int, level_size: int) -> int:
+    """How many leading rows (or columns) of a feature level of `level_size` lie inside the first
+    `unbucketed` of `padded` input pixels, by the nearest-neighbour resize that mmdet's DETRs use
+    to derive each level's padding mask from the input's (so the same cells as their masks)."""
+    inside = torch.zeros(1, 1, padded, 1)
+    inside[:, :, :unbucketed] = 1
+    return int(torch.nn.functional.interpolate(inside, size=(level_size, 1)).sum())
+
+
+def _crop_levels(flat: torch.Tensor, level_shapes, kept) -> torch.Tensor:
+    """(batch, sum h*w, ...) -> (batch, sum r*c, ...): each level's leading r rows and c columns."""
+    parts, start = [], 0
+    for (h, w), (r, c) in zip(level_shapes, kept):
+        level = flat[:, start : start + h * w]
+        parts.append(level.reshape(flat.shape[0], h, w, *flat.shape[2:])[:, :r, :c].reshape(flat.shape[0], r * c, *flat.shape[2:]))
+        start += h * w
+    return torch.cat(parts, 1)
+
+
+def guard_two_stage_selection(model: torch.nn.Module) -> bool:
+    """Keep bucket padding out of a two-stage DETR's proposal selection; True if `model` is one.
+
+    DINO and two-stage Deformable DETR rank every encoder cell for the top-k proposals, padded
+    cells included: their memory is zeroed, so all of them score the same, and at initialisation
+    that score can outrank the image. Bucket padding adds thousands of such cells, and DINO's first
+    iterations then train on proposals in the padding (H100, session 8: loss_bbox 8.2 against
+    eager's 1.08 at iteration 1; the same on the CPU). The guard hands `pre_decoder` only the cells
+    inside the batch as it was before bucket padding, the cells eager ranks; the decoder still
+    attends over the whole padded memory, which its masks make equal to eager's."""
+    if is_model_wrapper(model):
+        model = model.module
+    if not (isinstance(model, DeformableDETR) and model.as_two_stage):
+        return False
+    if getattr(model.pre_decoder, "_guards_two_stage_selection", False):
+        return True
+    pre_transformer, pre_decoder = model.pre_transformer, model.pre_decoder
+    crops = []  # the current forward's crop: set by pre_transformer, taken by pre_decoder
+
+    def guarded_pre_transformer(mlvl_feats, batch_data_samples=None):
+        crops.clear()
+        meta = batch_data_samples[0].metainfo if batch_data_samples else {}
+        if UNBUCKETED_SHAPE in meta:
+            level_shapes = [tuple(feat.shape[-2:]) for feat in mlvl_feats]
+            kept = [
+                tuple(kept_extent(before, padded, size) for before, padded, size in zip(meta[UNBUCKETED_SHAPE], meta["batch_input_shape"], shape))
+                for shape in level_shapes
+            ]
+            if kept != level_shapes:
+                crops.append((level_shapes, kept))
+        return pre_transformer(mlvl_feats, batch_data_samples)
+
+    def guarded_pre_decoder(memory, memory_mask, spatial_shapes, *args, **kwargs):
+        if not crops:
+            return pre_decoder(memory, memory_mask, spatial_shapes, *args, **kwargs)
+        level_shapes, kept = crops.pop()
+        if sum(h * w for h, w in level_shapes) != memory.shape[1]:
+            raise RuntimeError(f"two-stage guard: memory has {memory.shape[1]} cells, the levels {level_shapes}")
+        decoder_inputs, head_inputs = pre_decoder(
+            _crop_levels(memory, level_shapes, kept),
+            None if memory_mask is None else _crop_levels(memory_mask, level_shapes, kept),
+            spatial_shapes.new_tensor(kept),
+            *args,
+            **kwargs,
+        )
+        decoder_inputs["memory"] = memory  # the decoder samples the padded maps, as in eager
+        return decoder_inputs, head_inputs
+
+    guarded_pre_decoder._guards_two_stage_selection = True
+    model.pre_transformer, model.pre_decoder = guarded_pre_transformer, guarded_pre_decoder
+    return True
 
 
 def merge_param_groups(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -188,7 +267,8 @@ def mark_cuda_graph_steps(model: torch.nn.Module) -> None:
 @HOOKS.register_module()
 class FastPathCompileHook(Hook):
     """Compiles the model's transformer layers (scope 'network': also its backbone and neck) before
-    the first train, val or test iteration."""
+    the first train, val or test iteration, and guards a two-stage model's proposal selection from
+    the bucket padding (`guard_two_stage_selection`)."""
 
     priority = "VERY_LOW"
 
@@ -204,8 +284,10 @@ class FastPathCompileHook(Hook):
         if self.compiled:
             return
         self.compiled = compile_fast_path_modules(runner.model, self.mode, self.scope, **self.compile_kwargs)
+        guarded = guard_two_stage_selection(runner.model)
         print_log(
-            f"compiled {len(self.compiled)} modules (torch.compile mode={self.mode!r}, scope={self.scope!r})",
+            f"compiled {len(self.compiled)} modules (torch.compile mode={self.mode!r}, scope={self.scope!r})"
+            + ("; two-stage proposals kept off the bucket padding" if guarded else ""),
             logger="current",
         )
 

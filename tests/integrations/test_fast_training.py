@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tools"))
 DETR = str(ROOT / "configs/synthetic/deformable-detr_r50_synthetic_tma-ws.py")
 TINY = str(ROOT / "configs/synthetic/deformable-detr_tiny_synthetic_cpu.py")
+DINO = str(ROOT / "configs/synthetic/dino-4scale_r50_synthetic_tma-ws.py")
 
 
 def test_fast_config_adds_compile_hook_fused_optimizer_and_buckets():
@@ -129,6 +130,7 @@ def test_bucket_pad_pads_to_the_next_multiple_and_updates_metainfo():
     torch.testing.assert_close(out[..., :100, :150], inputs)
     assert out[..., 100:, :].abs().sum() == 0 and out[..., :, 150:].abs().sum() == 0
     assert all(s.batch_input_shape == (128, 256) and s.pad_shape == (128, 256) for s in samples)
+    assert all(s.metainfo[fast_training.UNBUCKETED_SHAPE] == (100, 150) for s in samples)
     assert all(s.img_shape == (100, 150) for s in samples)  # the image itself is unchanged
 
 
@@ -142,6 +144,93 @@ def test_bucket_pad_leaves_an_aligned_batch_alone():
 def test_bucket_pad_needs_a_positive_step():
     with pytest.raises(ValueError, match="step"):
         fast_training.BatchBucketPad(step=0)
+
+
+def test_kept_extent_counts_the_level_cells_inside_the_unbucketed_batch():
+    # stride 8 over 300 of 384 rows: mmdet's nearest resize maps level row i to input row 8 i
+    assert fast_training.kept_extent(300, 384, 48) == 38
+    assert fast_training.kept_extent(320, 384, 6) == 5  # stride 64: rows 0, 64, ..., 256
+    assert fast_training.kept_extent(384, 384, 12) == 12
+
+
+def dino_model():
+    from benchmark_e2e import build_model
+
+    model, _ = build_model(DINO, "pytorch", torch.device("cpu"), seed=0)
+    return model.eval()  # no denoising queries: pre_decoder is then a function of its arguments
+
+
+def embed_levels(memory, small, large, fill):
+    """A (batch, cells, c) memory over the `small` level shapes placed top-left in the `large`
+    ones; the other cells hold `fill`."""
+    parts, start = [], 0
+    for (h, w), (big_h, big_w) in zip(small, large):
+        grid = fill[:, : big_h * big_w].reshape(memory.shape[0], big_h, big_w, -1).clone()
+        grid[:, :h, :w] = memory[:, start : start + h * w].reshape(memory.shape[0], h, w, -1)
+        parts.append(grid.flatten(1, 2))
+        fill, start = fill[:, big_h * big_w :], start + h * w
+    return torch.cat(parts, 1)
+
+
+def test_two_stage_guard_selects_the_proposals_eager_selects():
+    """DINO ranks every encoder cell for its top-k proposals, padding included. Given a memory over
+    a bucket-padded batch, the guarded pre_decoder returns the queries and reference points that
+    eager's returns over the unpadded batch; unguarded, the padding's cells take proposals."""
+    from mmdet.structures import DetDataSample
+
+    model = dino_model()
+    image_shapes = [(320, 288), (240, 320)]  # batch 320 x 320, bucket 384 x 384
+    eager_levels, bucket_levels = [(40, 40), (20, 20), (10, 10), (5, 5)], [(48, 48), (24, 24), (12, 12), (6, 6)]
+
+    def pre_transformer(batch_shape, levels, unbucketed=None):
+        meta = dict(batch_input_shape=batch_shape)
+        if unbucketed:
+            meta[fast_training.UNBUCKETED_SHAPE] = unbucketed
+        samples = [DetDataSample(metainfo=dict(meta, img_shape=shape)) for shape in image_shapes]
+        feats = [torch.zeros(2, 256, h, w) for h, w in levels]
+        return model.pre_transformer(feats, samples)[1]
+
+    # as at initialisation in training (session 8): every image cell scores below the padding's
+    # constant (a zeroed memory's score), so the top-k takes padded cells wherever it can see them
+    def score(m):
+        return model.bbox_head.cls_branches[model.decoder.num_layers](model.memory_trans_norm(model.memory_trans_fc(m))).amax(-1)
+
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        pool = torch.randn(40000, 256, generator=g)
+        pool = pool[score(pool) < score(torch.zeros(1, 256))]
+    cells = sum(h * w for h, w in eager_levels)
+    memory = pool[: 2 * cells].reshape(2, cells, 256)
+    padded = embed_levels(memory, eager_levels, bucket_levels, torch.randn(2, 48 * 48 * 2, 256, generator=g))
+    bucket = pre_transformer((384, 384), bucket_levels, unbucketed=(320, 320))
+    unguarded, _ = model.pre_decoder(padded, bucket["memory_mask"], bucket["spatial_shapes"])
+
+    assert fast_training.guard_two_stage_selection(model) and fast_training.guard_two_stage_selection(model)
+    eager = pre_transformer((320, 320), eager_levels)
+    expected, _ = model.pre_decoder(memory, eager["memory_mask"], eager["spatial_shapes"])
+    bucket = pre_transformer((384, 384), bucket_levels, unbucketed=(320, 320))
+    guarded, _ = model.pre_decoder(padded, bucket["memory_mask"], bucket["spatial_shapes"])
+
+    torch.testing.assert_close(guarded["query"], expected["query"], rtol=0, atol=0)
+    torch.testing.assert_close(guarded["reference_points"], expected["reference_points"], rtol=0, atol=0)
+    assert guarded["memory"] is padded  # the decoder attends over the padded maps
+    # a padded cell's proposal is infinite, its box (1, 1, 1, 1): eager takes those inside its batch,
+    # unguarded takes more
+    def padded_picks(points):
+        return int((points == 1).all(-1).sum())
+
+    assert 0 < padded_picks(expected["reference_points"]) < padded_picks(unguarded["reference_points"])
+    # a batch without bucket metainfo (evaluation: no batch augments) passes through unchanged
+    eager = pre_transformer((320, 320), eager_levels)
+    again, _ = model.pre_decoder(memory, eager["memory_mask"], eager["spatial_shapes"])
+    torch.testing.assert_close(again["reference_points"], expected["reference_points"], rtol=0, atol=0)
+
+
+def test_two_stage_guard_leaves_a_one_stage_model_alone():
+    model, _ = tiny_model()
+    pre_decoder = model.pre_decoder
+    assert not fast_training.guard_two_stage_selection(model)
+    assert model.pre_decoder == pre_decoder
 
 
 def tiny_model(backend="pytorch"):
