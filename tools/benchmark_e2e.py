@@ -496,7 +496,7 @@ def parse_args(argv=None):
     )
     p.add_argument("--compile-mode", nargs="+", default=None, help="torch.compile mode(s) of the fast path")
     p.add_argument(
-        "--compile-scope", nargs="+", default=None, help="what the fast path compiles: layers, network (one row each)"
+        "--compile-scope", nargs="+", default=None, help="what the fast path compiles: layers, network, network+decoder (one row each)"
     )
     p.add_argument("--compile-backend", default=None, help=argparse.SUPPRESS)  # tests trace with aot_eager on the CPU
     p.add_argument("--precisions", nargs="*", choices=list(PRECISIONS), default=None)

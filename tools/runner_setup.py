@@ -65,8 +65,9 @@ def add_fast_args(parser) -> None:
     parser.add_argument(
         "--compile-scope",
         default=None,
-        help="with --fast: what is compiled (network = the transformer layers, backbone and neck, the "
-        "default; layers = the transformer layers only)",
+        help="with --fast: what is compiled (network+decoder = the transformer layers, backbone and neck, "
+        "and Deformable DETR's / DINO's decoder as one graph, the default; network = the same with the "
+        "decoder per layer; layers = the transformer layers only)",
     )
     parser.add_argument("--bucket-step", type=int, default=None, help="with --fast: pad images to multiples of this")
 

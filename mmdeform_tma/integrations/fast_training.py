@@ -9,9 +9,14 @@ launched the next ones (docs/benchmarks.md). This path cuts host work with exist
   encoders: mmdet builds each encoder's reference points by iterating a device tensor of level
   shapes, a host synchronisation per level that would split the graph anyway. Modules are compiled
   in place (`nn.Module.compile`), so parameter names and checkpoints are unchanged.
-- the backbone and the neck too (`compile_scope='network'`, the default; 'layers' compiles the
-  transformer layers only): a ResNet's convolutions keep cuDNN, its frozen batch norms,
-  activations and AMP casts fuse.
+- the backbone and the neck too (`compile_scope='network'`; 'layers' compiles the transformer
+  layers only): a ResNet's convolutions keep cuDNN, its frozen batch norms, activations and AMP
+  casts fuse.
+- Deformable DETR's and DINO's decoder whole (`compile_scope='network+decoder'`, the default):
+  between its layers the decoder refines the reference points (sine embedding, an MLP, the box
+  branch, inverse sigmoid), some 35 small kernels per layer forward and more backward, each
+  launched from Python. Compiled with the layers, the decoder is one graph. The encoder stays
+  compiled per layer (its reference points iterate the level shapes on the host).
 - CUDA graphs (`mode='reduce-overhead'`, the default): each compiled module's forward and
   backward replay from a graph, a few launches where there were hundreds; one graph is recorded
   per image-size bucket (below). Each of the model's train, val and test steps first marks a new
@@ -51,7 +56,11 @@ import math
 import torch
 from mmdet.models.data_preprocessors.data_preprocessor import BatchFixedSizePad
 from mmdet.models.detectors import DeformableDETR
-from mmdet.models.layers.transformer import DetrTransformerDecoderLayer, DetrTransformerEncoderLayer
+from mmdet.models.layers.transformer import (
+    DeformableDetrTransformerDecoder,
+    DetrTransformerDecoderLayer,
+    DetrTransformerEncoderLayer,
+)
 from mmdet.registry import MODELS, OPTIM_WRAPPER_CONSTRUCTORS
 from mmengine.hooks import Hook
 from mmengine.logging import print_log
@@ -62,8 +71,8 @@ from mmengine.registry import HOOKS
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")
 DEFAULT_COMPILE_MODE = "reduce-overhead"
 # what is compiled: the transformer layers, or also the backbone and the neck
-COMPILE_SCOPES = ("layers", "network")
-DEFAULT_COMPILE_SCOPE = "network"
+COMPILE_SCOPES = ("layers", "network", "network+decoder")
+DEFAULT_COMPILE_SCOPE = "network+decoder"
 NETWORK_PARTS = ("backbone", "neck")
 DEFAULT_BUCKET_STEP = 128
 UNBUCKETED_SHAPE = "batch_shape_before_bucket_pad"  # metainfo key BatchBucketPad adds
@@ -206,21 +215,28 @@ def check_choice(kind: str, value: str, valid: tuple[str, ...]) -> None:
         raise ValueError(f"unknown compile {kind} {value!r}; valid: {', '.join(valid)}")
 
 
+def whole_decoders(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """The model's Deformable DETR-style decoders (DINO's included), by name: a loop of layers and
+    reference-point refinement that traces into one graph."""
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, DeformableDetrTransformerDecoder)]
+
+
 def network_parts(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     """The model's backbone and neck (those it has), by name. A part holding transformer layers
     is refused: they are compiled on their own, and a compiled parent would swallow them."""
     parts = [(name, getattr(model, name)) for name in NETWORK_PARTS if isinstance(getattr(model, name, None), torch.nn.Module)]
     for name, part in parts:
         if transformer_layers(part):
-            raise ValueError(f"{type(model).__name__}.{name} holds transformer layers; compile scope 'network' cannot take it")
+            raise ValueError(f"{type(model).__name__}.{name} holds transformer layers; the network compile scopes cannot take it")
     return parts
 
 
 def compile_fast_path_modules(
     model: torch.nn.Module, mode: str = DEFAULT_COMPILE_MODE, scope: str = DEFAULT_COMPILE_SCOPE, **compile_kwargs
 ) -> list[str]:
-    """Compile each transformer layer in place, and with scope 'network' the backbone and the neck;
-    returns the compiled modules' names. Raises if the model has no transformer layer."""
+    """Compile each transformer layer in place, with scope 'network' the backbone and the neck too,
+    and with 'network+decoder' also each Deformable DETR-style decoder whole, in place of its
+    layers; returns the compiled modules' names. Raises if the model has no transformer layer."""
     check_choice("mode", mode, COMPILE_MODES)
     check_choice("scope", scope, COMPILE_SCOPES)
     stepped = model  # a wrapper's own steps are what the runner calls (DDP does not call the module's)
@@ -229,7 +245,11 @@ def compile_fast_path_modules(
     layers = transformer_layers(model)
     if not layers:
         raise ValueError(f"{type(model).__name__} has no DetrTransformerEncoderLayer / DecoderLayer to compile")
-    modules = network_parts(model) + layers if scope == "network" else layers
+    if scope == "network+decoder":
+        decoders = whole_decoders(model)
+        inside = {id(m) for _, decoder in decoders for m in decoder.modules()}
+        layers = decoders + [(name, m) for name, m in layers if id(m) not in inside]
+    modules = layers if scope == "layers" else network_parts(model) + layers
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, DYNAMO_CACHE_SIZE_LIMIT)
     compile_kwargs.setdefault("fullgraph", True)
     # torch's automatic dynamic shapes: static graphs until a module meets a second input size, then

@@ -267,16 +267,20 @@ def test_compile_fast_path_modules_refuses_a_model_without_them():
         fast_training.compile_fast_path_modules(torch.nn.Linear(2, 2))
 
 
-def tiny_training_losses(steps: int, dropout: bool = True, sizes=((128, 128),), graphs=None, **compile_kwargs) -> list[float]:
-    """Losses of `steps` training steps of the tiny model, step i on images of sizes[i % len(sizes)];
-    compiled when given compile arguments, and then `graphs` (a list) gets the number of graphs
-    compiled so far after each step."""
+def tiny_training_losses(
+    steps: int, dropout: bool = True, sizes=((128, 128),), graphs=None, config=TINY, **compile_kwargs
+) -> list[float]:
+    """Losses of `steps` training steps of the tiny model (or `config`'s, reference backend), step i
+    on images of sizes[i % len(sizes)]; compiled when given compile arguments, and then `graphs` (a
+    list) gets the number of graphs compiled so far after each step."""
     from benchmark_e2e import make_optim_wrapper
     from mmdet_models import switch_off_dropout
     from synthetic_batches import synthetic_batch
     from torch._dynamo.utils import counters
 
-    model, cfg = tiny_model()
+    from benchmark_e2e import build_model
+
+    model, cfg = build_model(config, "pytorch", torch.device("cpu"), seed=0)
     if not dropout:
         switch_off_dropout(model)
     if compile_kwargs:
@@ -312,9 +316,27 @@ def test_inductor_network_scope_trains_as_eager_with_dropout_off():
     other masks), the losses agree to rounding; the same comparison caught that attention dropout
     was still on in the GPU test (8e-3 apart here, 2e-2 on an H100)."""
     eager = tiny_training_losses(3, dropout=False)
-    compiled = tiny_training_losses(3, dropout=False, mode="default", scope="network")
+    compiled = tiny_training_losses(3, dropout=False, mode="default", scope=fast_training.DEFAULT_COMPILE_SCOPE)
     assert compiled == pytest.approx(eager, rel=1e-5)
     assert compiled[0] != compiled[-1]
+
+
+def test_network_decoder_scope_compiles_the_decoder_whole():
+    model, _ = tiny_model()
+    names = fast_training.compile_fast_path_modules(model, scope="network+decoder", backend="aot_eager")
+    assert names == ["backbone", "neck", "decoder", "encoder.layers.0"]
+    assert model.decoder._compiled_call_impl is not None
+    assert model.decoder.layers[0]._compiled_call_impl is None  # traced inside the decoder's graph
+
+
+def test_dino_decoder_compiled_whole_trains_as_eager():
+    """DINO's decoder takes the head's box branches as an argument and, in training, a denoising
+    mask whose size follows the batch's boxes: traced whole (fullgraph) it trains as eager."""
+    size = ((256, 256),)  # 1,360 encoder cells: DINO takes 900 top-k proposals
+    eager = tiny_training_losses(2, dropout=False, sizes=size, config=DINO)
+    compiled = tiny_training_losses(2, dropout=False, sizes=size, config=DINO, scope="network+decoder", backend="aot_eager")
+    assert compiled == pytest.approx(eager, rel=1e-5)
+    assert compiled[0] != compiled[1]
 
 
 def test_new_image_sizes_stop_compiling_once_the_graphs_turn_dynamic():
@@ -368,7 +390,7 @@ def test_compile_hook_in_a_runner(tmp_path):
     runner = Runner.from_cfg(cfg)
     runner.train()
     hook = next(h for h in runner.hooks if isinstance(h, fast_training.FastPathCompileHook))
-    assert hook.compiled == ["backbone", "neck", "encoder.layers.0", "decoder.layers.0"]
+    assert hook.compiled == ["backbone", "neck", "decoder", "encoder.layers.0"]
     assert runner.optim_wrapper.optimizer.defaults["fused"] is True
     assert runner.iter == 1
 
@@ -448,7 +470,7 @@ def test_a_model_wrapper_gets_the_step_marks_and_its_module_the_compiled_parts()
         model, _ = tiny_model()
         wrapper = StepWrapper(model)
         names = fast_training.compile_fast_path_modules(wrapper, mode="reduce-overhead", backend="aot_eager")
-        assert names == ["backbone", "neck", "encoder.layers.0", "decoder.layers.0"]
+        assert names == ["backbone", "neck", "decoder", "encoder.layers.0"]
         assert all(getattr(wrapper, name)._marks_cuda_graph_steps for name in fast_training.STEP_METHODS)
         assert not hasattr(model.train_step, "_marks_cuda_graph_steps")
     finally:

@@ -17,6 +17,7 @@ from msda_cases import backend_skip_reason  # noqa: E402
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tools"))
 CONFIG = str(ROOT / "configs/synthetic/deformable-detr_r50_synthetic_tma-ws.py")
+DINO_CONFIG = str(ROOT / "configs/synthetic/dino-4scale_r50_synthetic_tma-ws.py")
 KERNEL_BACKENDS = ["mmcv", "cuda", "tma", "tma_ws"]
 
 
@@ -25,13 +26,13 @@ def skip_unless(backend, dtype=torch.float32):
         pytest.skip(reason)
 
 
-def train_losses(backend, precision, steps=2, fast=None, dropout=True, perturb=0.0):
+def train_losses(backend, precision, steps=2, fast=None, dropout=True, perturb=0.0, config=CONFIG):
     """Training losses per step; `perturb` scales every weight by (1 + perturb x N(0, 1)) first."""
     from benchmark_e2e import build_model, make_optim_wrapper
     from synthetic_batches import synthetic_batch
 
     device = torch.device("cuda")
-    model, cfg = build_model(CONFIG, backend, device, seed=0, fast=fast)
+    model, cfg = build_model(config, backend, device, seed=0, fast=fast)
     if not dropout:  # compiled graphs draw dropout masks differently from eager
         switch_off_dropout(model)
     if perturb:
@@ -64,13 +65,19 @@ def largest_rel_diff(a_steps, b_steps):
     return max(abs(a[k] - b[k]) / max(abs(b[k]), 1e-4) for a, b in zip(a_steps, b_steps) for k in b)
 
 
-@pytest.mark.parametrize(
-    "mode, scope", [("default", "layers"), ("reduce-overhead", "layers"), ("default", "network"), ("reduce-overhead", "network")]
-)
-def test_fast_path_training_steps_match_the_default_path(mode, scope, monkeypatch):
+FAST_PATH_CASES = [
+    *[(mode, scope, "detr") for scope in ("layers", "network", "network+decoder") for mode in ("default", "reduce-overhead")],
+    ("reduce-overhead", "network+decoder", "dino"),  # the default path of the fast switch, on DINO
+]
+
+
+@pytest.mark.parametrize("mode, scope, model", FAST_PATH_CASES)
+def test_fast_path_training_steps_match_the_default_path(mode, scope, model, monkeypatch):
     """tools/train.py --fast: compiled transformer layers (inductor; CUDA graphs with
-    reduce-overhead; scope 'network' compiles the backbone and neck too), fused AdamW, bucket
-    padding (512x640 is a bucket already, so the inputs are the same).
+    reduce-overhead; scope 'network' compiles the backbone and neck too, 'network+decoder' also
+    the decoder whole), fused AdamW, bucket padding (512x640 is a bucket already, so the inputs
+    are the same). Deformable DETR in every mode and scope; DINO (whose decoder takes the box
+    branches and a denoising mask) in the defaults.
 
     Every dropout is off, nn.MultiheadAttention's attention dropout included: compiled graphs
     draw other masks than eager. With that one left on, the fast path drifted 2.2e-2 from eager
@@ -87,9 +94,10 @@ def test_fast_path_training_steps_match_the_default_path(mode, scope, monkeypatc
     skip_unless("cuda")  # auto runs a compiled backend
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     torch._dynamo.reset()
-    eager = train_losses("auto", "fp32", steps=3, dropout=False)
-    nudged = train_losses("auto", "fp32", steps=3, dropout=False, perturb=1e-6)
-    fast = train_losses("auto", "fp32", steps=3, fast=dict(mode=mode, scope=scope), dropout=False)
+    config = DINO_CONFIG if model == "dino" else CONFIG
+    eager = train_losses("auto", "fp32", steps=3, dropout=False, config=config)
+    nudged = train_losses("auto", "fp32", steps=3, dropout=False, perturb=1e-6, config=config)
+    fast = train_losses("auto", "fp32", steps=3, fast=dict(mode=mode, scope=scope), dropout=False, config=config)
     torch._dynamo.reset()
     floor, drift = largest_rel_diff(nudged, eager), largest_rel_diff(fast, eager)
     assert drift <= 3 * floor + 1e-5, f"fast path drifts {drift:.2e} from eager; rounding-level noise drifts {floor:.2e}"

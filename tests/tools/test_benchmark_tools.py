@@ -93,14 +93,14 @@ def test_benchmark_e2e_fast_rows_and_interleaved_repeats(tmp_path):
 
     argv = [
         "--device", "cpu", "--backends", "stock", "--fast-backends", "pytorch", "--compile-backend", "aot_eager",
-        "--compile-scope", "layers", "network", "--repeats", "2", "--iters", "2", "--out", str(tmp_path / "e2e"),
+        "--compile-scope", "layers", "network+decoder", "--repeats", "2", "--iters", "2", "--out", str(tmp_path / "e2e"),
     ]
     assert benchmark_e2e.main(argv) == 0
     results = json.loads((tmp_path / "e2e.json").read_text())["results"]
     # round-robin: round 0 of every variant before round 1 of any; one fast row per compile scope
     assert [(r["backend"], r["compile_scope"], r["repeat"]) for r in results] == [
-        ("stock", None, 0), ("pytorch", "layers", 0), ("pytorch", "network", 0),
-        ("stock", None, 1), ("pytorch", "layers", 1), ("pytorch", "network", 1),
+        ("stock", None, 0), ("pytorch", "layers", 0), ("pytorch", "network+decoder", 0),
+        ("stock", None, 1), ("pytorch", "layers", 1), ("pytorch", "network+decoder", 1),
     ]
     assert all(r["error"] is None for r in results)
     fast = [r for r in results if r["fast"]]
@@ -164,9 +164,10 @@ def test_paired_mode_refuses_the_fast_path_and_needs_stock():
 def test_fast_labels_name_what_differs_from_the_defaults():
     import benchmark_e2e
 
-    assert benchmark_e2e.fast_label("auto", "reduce-overhead", "network") == "auto+fast"  # the defaults
+    assert benchmark_e2e.fast_label("auto", "reduce-overhead", "network+decoder") == "auto+fast"  # the defaults
     assert benchmark_e2e.fast_label("auto", "default", "layers") == "auto+fast[default,layers]"
-    assert benchmark_e2e.fast_label("auto", "default", "network") == "auto+fast[default]"
+    assert benchmark_e2e.fast_label("auto", "default", "network+decoder") == "auto+fast[default]"
+    assert benchmark_e2e.fast_label("auto", "reduce-overhead", "network") == "auto+fast[network]"
     with pytest.raises(ValueError, match="compile scope"):
         benchmark_e2e.parse_args(["--device", "cpu", "--compile-scope", "everything"])
 
