@@ -62,6 +62,12 @@ __device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
   }
 }
 
+// A barrier of `threads` threads (whole warps) on hardware barrier 1: __syncthreads keeps 0, and
+// the roles of a warp-specialized CTA synchronise apart.
+__device__ __forceinline__ void consumer_barrier(int threads) {
+  asm volatile("bar.sync 1, %0;" ::"r"(threads) : "memory");
+}
+
 // Orders this thread's generic-proxy shared-memory accesses before later async-proxy (TMA) ones.
 __device__ __forceinline__ void fence_proxy_async_shared() {
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");

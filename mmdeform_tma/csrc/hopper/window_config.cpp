@@ -92,7 +92,9 @@ LaunchShape shape_for(const ProblemTensors& problem, const Config& config, int c
   s.zero_offset = s.stages * s.stage_bytes;
   s.zero_bytes = round128((s.window_cols + 2) * s.row_bytes);
   s.scratch_offset = s.zero_offset + s.zero_bytes;
-  s.barrier_offset = s.scratch_offset + (s.gather ? round128(cells * 4) : 0);
+  s.grad_rows_offset = s.scratch_offset + (s.gather ? round128(cells * 4) : 0);
+  s.grad_rows_bytes = s.gather ? round128(s.slots * static_cast<int>(problem.channels) * 4) : 0;
+  s.barrier_offset = s.grad_rows_offset + 2 * s.grad_rows_bytes;
   s.total_bytes = s.barrier_offset + round128(2 * s.stages * 8) + 128;  // + alignment slack
   return s;
 }

@@ -79,6 +79,10 @@ struct LaunchShape {
   int entries_offset;  // within a stage
   int touched_offset;  // within a stage
   int scratch_offset;  // the producer's per-cell counters (window_rows x window_cols ints)
+  // The tile's output-gradient rows in fp32, which the cell walk reads per entry: two buffers of
+  // slots x channels floats, alternating by tile (written at a tile's first level).
+  int grad_rows_offset;
+  int grad_rows_bytes;  // of one buffer
   int ctas_per_sm;     // the config's register budget (Config::ctas_per_sm)
 };
 
