@@ -168,7 +168,9 @@ def guard_two_stage_selection(model: torch.nn.Module) -> bool:
         decoder_inputs, head_inputs = pre_decoder(
             _crop_levels(memory, level_shapes, kept),
             None if memory_mask is None else _crop_levels(memory_mask, level_shapes, kept),
-            spatial_shapes.new_tensor(kept),
+            # on the host: mmdet's proposal loop reads each level's size, and a device tensor
+            # (and copying one there) would make each read a wait for the GPU
+            torch.tensor(kept, dtype=spatial_shapes.dtype),
             *args,
             **kwargs,
         )
