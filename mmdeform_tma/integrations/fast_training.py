@@ -122,7 +122,8 @@ def _crop_levels(flat: torch.Tensor, level_shapes, kept) -> torch.Tensor:
     parts, start = [], 0
     for (h, w), (r, c) in zip(level_shapes, kept):
         level = flat[:, start : start + h * w]
-        parts.append(level.reshape(flat.shape[0], h, w, *flat.shape[2:])[:, :r, :c].reshape(flat.shape[0], r * c, *flat.shape[2:]))
+        grid = level.reshape(flat.shape[0], h, w, *flat.shape[2:])
+        parts.append(grid[:, :r, :c].reshape(flat.shape[0], r * c, *flat.shape[2:]))
         start += h * w
     return torch.cat(parts, 1)
 
@@ -151,8 +152,9 @@ def guard_two_stage_selection(model: torch.nn.Module) -> bool:
         meta = batch_data_samples[0].metainfo if batch_data_samples else {}
         if UNBUCKETED_SHAPE in meta:
             level_shapes = [tuple(feat.shape[-2:]) for feat in mlvl_feats]
+            sides = list(zip(meta[UNBUCKETED_SHAPE], meta["batch_input_shape"]))
             kept = [
-                tuple(kept_extent(before, padded, size) for before, padded, size in zip(meta[UNBUCKETED_SHAPE], meta["batch_input_shape"], shape))
+                tuple(kept_extent(before, padded, size) for (before, padded), size in zip(sides, shape))
                 for shape in level_shapes
             ]
             if kept != level_shapes:
@@ -229,7 +231,9 @@ def network_parts(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     parts = [(name, getattr(model, name)) for name in NETWORK_PARTS if isinstance(getattr(model, name, None), torch.nn.Module)]
     for name, part in parts:
         if transformer_layers(part):
-            raise ValueError(f"{type(model).__name__}.{name} holds transformer layers; the network compile scopes cannot take it")
+            raise ValueError(
+                f"{type(model).__name__}.{name} holds transformer layers; the network compile scopes cannot take it"
+            )
     return parts
 
 

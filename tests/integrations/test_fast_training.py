@@ -193,7 +193,8 @@ def test_two_stage_guard_selects_the_proposals_eager_selects():
     # as at initialisation in training (session 8): every image cell scores below the padding's
     # constant (a zeroed memory's score), so the top-k takes padded cells wherever it can see them
     def score(m):
-        return model.bbox_head.cls_branches[model.decoder.num_layers](model.memory_trans_norm(model.memory_trans_fc(m))).amax(-1)
+        encoder_class_branch = model.bbox_head.cls_branches[model.decoder.num_layers]
+        return encoder_class_branch(model.memory_trans_norm(model.memory_trans_fc(m))).amax(-1)
 
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -273,12 +274,10 @@ def tiny_training_losses(
     """Losses of `steps` training steps of the tiny model (or `config`'s, reference backend), step i
     on images of sizes[i % len(sizes)]; compiled when given compile arguments, and then `graphs` (a
     list) gets the number of graphs compiled so far after each step."""
-    from benchmark_e2e import make_optim_wrapper
+    from benchmark_e2e import build_model, make_optim_wrapper
     from mmdet_models import switch_off_dropout
     from synthetic_batches import synthetic_batch
     from torch._dynamo.utils import counters
-
-    from benchmark_e2e import build_model
 
     model, cfg = build_model(config, "pytorch", torch.device("cpu"), seed=0)
     if not dropout:
@@ -334,7 +333,9 @@ def test_dino_decoder_compiled_whole_trains_as_eager():
     mask whose size follows the batch's boxes: traced whole (fullgraph) it trains as eager."""
     size = ((256, 256),)  # 1,360 encoder cells: DINO takes 900 top-k proposals
     eager = tiny_training_losses(2, dropout=False, sizes=size, config=DINO)
-    compiled = tiny_training_losses(2, dropout=False, sizes=size, config=DINO, scope="network+decoder", backend="aot_eager")
+    compiled = tiny_training_losses(
+        2, dropout=False, sizes=size, config=DINO, scope="network+decoder", backend="aot_eager"
+    )
     assert compiled == pytest.approx(eager, rel=1e-5)
     assert compiled[0] != compiled[1]
 

@@ -66,7 +66,11 @@ def largest_rel_diff(a_steps, b_steps):
 
 
 FAST_PATH_CASES = [
-    *[(mode, scope, "detr") for scope in ("layers", "network", "network+decoder") for mode in ("default", "reduce-overhead")],
+    *[
+        (mode, scope, "detr")
+        for scope in ("layers", "network", "network+decoder")
+        for mode in ("default", "reduce-overhead")
+    ],
     ("reduce-overhead", "network+decoder", "dino"),  # the default path of the fast switch, on DINO
 ]
 
