@@ -2,6 +2,7 @@
 
     python tools/autotune.py                                   # standard DETR / DINO shapes, all dtypes
     python tools/autotune.py --presets detr_enc_bs2 --backends tma_ws --dtypes float16
+    python tools/autotune.py --layouts --dtypes float16    # the head / channel layouts (LAYOUT_PRESETS)
 
 For every (shape, dtype, backend, direction) it runs each compiled variant ("config") once on a
 query subset against float64 and rejects every config that fails the accuracy rules or raises,
@@ -25,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_common  # noqa: E402
-from benchmark_op import DTYPES, PRESETS, make_inputs, rel_l2  # noqa: E402
+from benchmark_op import DTYPES, LAYOUT_PRESETS, PRESETS, make_inputs, rel_l2  # noqa: E402
 
 import mmdeform_tma  # noqa: E402
 from mmdeform_tma import _extension, tuning  # noqa: E402
@@ -94,9 +95,20 @@ def config_calls(backend: str, direction: str, config: int, input_sets: list) ->
     return calls
 
 
+def presets_to_tune(presets: list[str] | None, layouts: bool) -> list[str]:
+    """--presets (default: the DETR / DINO presets, unless --layouts alone), then with --layouts
+    the head / channel layouts not named already."""
+    chosen = list(presets) if presets is not None else ([] if layouts else list(STANDARD_PRESETS))
+    return chosen + [name for name in LAYOUT_PRESETS if layouts and name not in chosen]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--presets", nargs="*", choices=list(PRESETS), default=STANDARD_PRESETS)
+    p.add_argument("--presets", nargs="*", choices=list(PRESETS), default=None, help="default: the DETR / DINO presets")
+    p.add_argument(
+        "--layouts", action="store_true",
+        help="tune the head / channel layouts of LAYOUT_PRESETS (beside --presets, if given)",
+    )
     p.add_argument("--backends", nargs="*", default=["cuda", "tma", "tma_ws"])
     p.add_argument("--dtypes", nargs="*", choices=list(DTYPES), default=list(DTYPES))
     p.add_argument("--directions", nargs="*", choices=["forward", "backward", DETERMINISTIC], default=["forward", "backward"])
@@ -107,6 +119,7 @@ def main(argv=None) -> int:
     p.add_argument("--table", type=Path, help="table to merge into (default: the package's table for this GPU)")
     p.add_argument("--report", type=Path, default=Path("bench_results/autotune.json"))
     args = p.parse_args(argv)
+    args.presets = presets_to_tune(args.presets, args.layouts)
     if not torch.cuda.is_available():
         print("autotune needs a CUDA GPU", file=sys.stderr)
         return 2

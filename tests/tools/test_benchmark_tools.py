@@ -318,6 +318,19 @@ def test_profile_iterations_counts_scalar_reads_of_a_real_cpu_trace():
     assert got["gpu_kernel_ms"] is None and got["kernel_launches"] is None and got["msda_share_pct"] is None
 
 
+def test_autotune_tunes_the_layout_presets_on_request():
+    import autotune
+    import benchmark_op
+
+    assert autotune.presets_to_tune(None, False) == autotune.STANDARD_PRESETS
+    assert autotune.presets_to_tune(None, True) == benchmark_op.LAYOUT_PRESETS
+    assert autotune.presets_to_tune(["detr_enc_bs2"], True) == ["detr_enc_bs2", *benchmark_op.LAYOUT_PRESETS]
+    # layouts the DETR presets lack, kept out of the operator benchmark's default run
+    layouts = {(benchmark_op.PRESETS[n].heads, benchmark_op.PRESETS[n].channels) for n in benchmark_op.LAYOUT_PRESETS}
+    assert len(layouts) == len(benchmark_op.LAYOUT_PRESETS) and (8, 32) not in layouts
+    assert not set(benchmark_op.LAYOUT_PRESETS) & set(benchmark_op.DEFAULT_GPU_PRESETS)
+
+
 def test_autotune_needs_a_gpu():
     if torch.cuda.is_available():
         pytest.skip("a GPU is present")
