@@ -12,6 +12,7 @@
 #   bench graph               tools/benchmark_op.py (BENCH_ARGS); tools/cuda_graph_train_step.py
 #   autotune                  tools/autotune.py over AUTOTUNE_BACKENDS (default tma_ws cuda), forward,
 #                             backward and the deterministic backward; rewrites this GPU's table
+#                             (AUTOTUNE_ARGS adds options, e.g. "--layouts --dtypes float16")
 #   e2e                       tools/benchmark_e2e.py per model (E2E_MODELS, E2E_ARGS): stock against auto
 #                             side by side (--paired), then stock against auto on the fast path; AMP fp16
 #                             (Mask2Former fp32)
@@ -80,7 +81,7 @@ if has graph; then
 fi
 if has autotune; then
   run autotune ${AUTOTUNE_TIMEOUT:-900} python3 tools/autotune.py --backends ${AUTOTUNE_BACKENDS:-tma_ws cuda} \
-    --directions forward backward backward-deterministic --report "$OUT/autotune.json"
+    --directions forward backward backward-deterministic --report "$OUT/autotune.json" ${AUTOTUNE_ARGS:-}
 fi
 if has bench; then
   run bench ${BENCH_TIMEOUT:-900} python3 tools/benchmark_op.py --out "$OUT/op" ${BENCH_ARGS:-}
