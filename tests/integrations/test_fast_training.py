@@ -227,6 +227,16 @@ def test_two_stage_guard_selects_the_proposals_eager_selects():
     torch.testing.assert_close(again["reference_points"], expected["reference_points"], rtol=0, atol=0)
 
 
+def test_compile_hook_guards_a_two_stage_model_and_compiles_its_decoder_whole():
+    from types import SimpleNamespace
+
+    model = dino_model()
+    hook = fast_training.FastPathCompileHook(backend="aot_eager")
+    hook.before_run(SimpleNamespace(model=model))
+    assert model.pre_decoder._guards_two_stage_selection
+    assert hook.compiled == ["backbone", "neck", "decoder", *[f"encoder.layers.{i}" for i in range(6)]]
+
+
 def test_two_stage_guard_leaves_a_one_stage_model_alone():
     model, _ = tiny_model()
     pre_decoder = model.pre_decoder
