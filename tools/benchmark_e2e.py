@@ -6,6 +6,8 @@
     python tools/benchmark_e2e.py --backends stock auto --fast-backends auto --precisions amp-fp16 --repeats 3
     python tools/benchmark_e2e.py --backends stock --fast-backends auto --compile-mode default reduce-overhead \
         --compile-scope layers network                              # four fast variants
+    python tools/benchmark_e2e.py --backends stock --fast-backends auto --compile-shapes automatic static
+                                                                    # automatic dynamic shapes against static
     python tools/benchmark_e2e.py --backends stock auto --fast-backends --precisions amp-fp16 --paired 10 --iters 10
                                                                     # default path against stock, side by side
 
@@ -289,8 +291,9 @@ class Result:
     precision: str
     fast: bool = False  # the fast training path (tools/train.py --fast)
     repeat: int = 0  # which round of the interleaved runs
-    compile_mode: str | None = None  # the fast path's torch.compile mode and scope
+    compile_mode: str | None = None  # the fast path's torch.compile mode, scope and shapes
     compile_scope: str | None = None
+    compile_shapes: str | None = None  # 'automatic' (torch's automatic dynamic shapes) or 'static'
     train_ms: dict = field(default_factory=dict)
     infer_ms: dict = field(default_factory=dict)
     images_per_s: float | None = None
@@ -317,24 +320,32 @@ class Result:
 
     @property
     def label(self) -> str:
-        return fast_label(self.backend, self.compile_mode, self.compile_scope) if self.fast else self.backend
+        if not self.fast:
+            return self.backend
+        return fast_label(self.backend, self.compile_mode, self.compile_scope, self.compile_shapes)
 
 
-def fast_label(backend: str, mode: str | None, scope: str | None) -> str:
-    """'auto+fast' on the fast path's defaults, else with the mode and scope that differ."""
+COMPILE_SHAPES = ("automatic", "static")  # torch.compile(dynamic=None) or dynamic=False
+
+
+def fast_label(backend: str, mode: str | None, scope: str | None, shapes: str | None = None) -> str:
+    """'auto+fast' on the fast path's defaults, else with the mode, scope and shapes that differ."""
     from mmdeform_tma.integrations.fast_training import DEFAULT_COMPILE_MODE, DEFAULT_COMPILE_SCOPE
 
-    differ = [v for v, default in ((mode, DEFAULT_COMPILE_MODE), (scope, DEFAULT_COMPILE_SCOPE)) if v and v != default]
+    defaults = ((mode, DEFAULT_COMPILE_MODE), (scope, DEFAULT_COMPILE_SCOPE), (shapes, COMPILE_SHAPES[0]))
+    differ = [v for v, default in defaults if v and v != default]
     return f"{backend}+fast" + (f"[{','.join(differ)}]" if differ else "")
 
 
 def run_one(
-    args, backend: str, precision: str, device: torch.device, fast: tuple[str, str] | None = None, repeat: int = 0
+    args, backend: str, precision: str, device: torch.device, fast: tuple[str, str, str] | None = None, repeat: int = 0
 ) -> Result:
-    """One variant: `fast` is None (eager) or the fast path's (compile mode, compile scope)."""
-    mode, scope = fast or (None, None)
-    result = Result(backend, precision, fast is not None, repeat, mode, scope)
+    """One variant: `fast` is None (eager) or the fast path's (compile mode, scope, shapes)."""
+    mode, scope, shapes = fast or (None, None, None)
+    result = Result(backend, precision, fast is not None, repeat, mode, scope, shapes)
     fast_options = dict(mode=mode, scope=scope, **({"backend": args.compile_backend} if args.compile_backend else {}))
+    if shapes == "static":
+        fast_options["dynamic"] = False
     if fast:
         from torch._dynamo.utils import counters
 
@@ -498,6 +509,10 @@ def parse_args(argv=None):
     p.add_argument(
         "--compile-scope", nargs="+", default=None, help="what the fast path compiles: layers, network, network+decoder (one row each)"
     )
+    p.add_argument(
+        "--compile-shapes", nargs="+", choices=COMPILE_SHAPES, default=[COMPILE_SHAPES[0]],
+        help="automatic: torch's automatic dynamic shapes (the fast path's); static: dynamic=False (one row each)",
+    )
     p.add_argument("--compile-backend", default=None, help=argparse.SUPPRESS)  # tests trace with aot_eager on the CPU
     p.add_argument("--precisions", nargs="*", choices=list(PRECISIONS), default=None)
     p.add_argument("--batch", type=int, default=None)
@@ -555,7 +570,8 @@ def main(argv=None) -> int:
     env = bench_common.environment(device)
     env.update(
         config=args.config, batch=args.batch, image_size=",".join(f"{h}x{w}" for h, w in args.image_sizes),
-        compile_mode=args.compile_mode, compile_scope=args.compile_scope, repeats=args.repeats, paired_rounds=args.paired,
+        compile_mode=args.compile_mode, compile_scope=args.compile_scope, compile_shapes=args.compile_shapes,
+        repeats=args.repeats, paired_rounds=args.paired,
     )
     if args.paired:
         results = []
@@ -574,7 +590,7 @@ def main(argv=None) -> int:
         print(f"\nwrote {args.out}.json, {args.out}.md, {args.out}.png  ({env['device']}, commit {env['commit']})")
         return 0
     results: list[Result] = []
-    fast_options = [(m, s) for m in args.compile_mode for s in args.compile_scope]
+    fast_options = [(m, s, d) for m in args.compile_mode for s in args.compile_scope for d in args.compile_shapes]
     variants = [(b, None) for b in backends] + [(b, f) for b in args.fast_backends for f in fast_options]
     # round-robin: each round runs every variant once, so drift of the machine hits all alike
     jobs = [(r, b, f, p) for r in range(args.repeats) for b, f in variants for p in args.precisions]
@@ -584,8 +600,7 @@ def main(argv=None) -> int:
         except Exception as exc:  # noqa: BLE001 - one variant's failure is a row of the table, not the run's end
             message = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
             print(f"e2e: {backend} {precision} fast={fast} failed:\n{traceback.format_exc()}", file=sys.stderr)
-            mode, scope = fast or (None, None)
-            results.append(Result(backend, precision, fast is not None, repeat, mode, scope, error=message))
+            results.append(Result(backend, precision, fast is not None, repeat, *(fast or ()), error=message))
         if fast is not None:
             torch._dynamo.reset()  # also CUDA-graph trees: global state the next variant must not inherit
         if device.type == "cuda":

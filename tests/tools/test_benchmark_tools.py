@@ -110,6 +110,29 @@ def test_benchmark_e2e_fast_rows_and_interleaved_repeats(tmp_path):
     assert "| pytorch+fast[layers] | fp32 |" in markdown
 
 
+def test_benchmark_e2e_static_shapes_rows_compile_with_dynamic_false(tmp_path, monkeypatch):
+    pytest.importorskip("mmdet")
+    import benchmark_e2e
+
+    seen = []
+
+    def build_model(config, backend, device, seed, fast=None):
+        seen.append(fast)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(benchmark_e2e, "build_model", build_model)
+    argv = [
+        "--device", "cpu", "--backends", "--fast-backends", "pytorch", "--compile-backend", "aot_eager",
+        "--compile-shapes", "automatic", "static", "--iters", "1", "--out", str(tmp_path / "e2e"),
+    ]
+    assert benchmark_e2e.main(argv) == 0
+    assert [fast.get("dynamic", "torch's default") for fast in seen] == ["torch's default", False]
+    results = json.loads((tmp_path / "e2e.json").read_text())["results"]
+    assert [(r["compile_shapes"], r["error"]) for r in results] == [
+        ("automatic", "RuntimeError: stop here"), ("static", "RuntimeError: stop here")
+    ]
+
+
 def test_benchmark_e2e_paired_rounds_hold_every_model_and_rotate(tmp_path):
     pytest.importorskip("mmdet")
     import benchmark_e2e
@@ -168,6 +191,8 @@ def test_fast_labels_name_what_differs_from_the_defaults():
     assert benchmark_e2e.fast_label("auto", "default", "layers") == "auto+fast[default,layers]"
     assert benchmark_e2e.fast_label("auto", "default", "network+decoder") == "auto+fast[default]"
     assert benchmark_e2e.fast_label("auto", "reduce-overhead", "network") == "auto+fast[network]"
+    assert benchmark_e2e.fast_label("auto", "reduce-overhead", "network+decoder", "static") == "auto+fast[static]"
+    assert benchmark_e2e.fast_label("auto", "reduce-overhead", "network+decoder", "automatic") == "auto+fast"
     with pytest.raises(ValueError, match="compile scope"):
         benchmark_e2e.parse_args(["--device", "cpu", "--compile-scope", "everything"])
 
