@@ -60,6 +60,7 @@ from mmdet.models.layers.transformer import (
     DeformableDetrTransformerDecoder,
     DetrTransformerDecoderLayer,
     DetrTransformerEncoderLayer,
+    DinoTransformerDecoder,
 )
 from mmdet.registry import MODELS, OPTIM_WRAPPER_CONSTRUCTORS
 from mmengine.hooks import Hook
@@ -81,6 +82,7 @@ FUSED_OPTIMIZERS = ("Adam", "AdamW", "SGD")
 DYNAMO_CACHE_SIZE_LIMIT = 64
 THIS_MODULE = __name__
 TRANSFORMER_LAYERS = (DetrTransformerEncoderLayer, DetrTransformerDecoderLayer)
+WHOLE_DECODERS = (DeformableDetrTransformerDecoder, DinoTransformerDecoder)  # traced whole, CPU-tested
 
 
 def bucket_size(height: int, width: int, step: int) -> tuple[int, int]:
@@ -220,9 +222,11 @@ def check_choice(kind: str, value: str, valid: tuple[str, ...]) -> None:
 
 
 def whole_decoders(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    """The model's Deformable DETR-style decoders (DINO's included), by name: a loop of layers and
-    reference-point refinement that traces into one graph."""
-    return [(name, m) for name, m in model.named_modules() if isinstance(m, DeformableDetrTransformerDecoder)]
+    """The model's Deformable DETR and DINO decoders, by name: a loop of layers and reference-point
+    refinement that traces into one graph. Exactly these classes: subclasses add host logic of
+    their own (DDQ-DETR's decoder filters queries with NMS), and keep their layers compiled one by
+    one."""
+    return [(name, m) for name, m in model.named_modules() if type(m) in WHOLE_DECODERS]
 
 
 def network_parts(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:

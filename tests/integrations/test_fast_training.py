@@ -338,6 +338,18 @@ def test_network_decoder_scope_compiles_the_decoder_whole():
     assert model.decoder.layers[0]._compiled_call_impl is None  # traced inside the decoder's graph
 
 
+def test_network_decoder_scope_keeps_an_unknown_decoder_subclass_per_layer():
+    from mmdet.models.layers.transformer import DeformableDetrTransformerDecoder
+
+    class CustomDecoder(DeformableDetrTransformerDecoder):  # e.g. DDQ-DETR's, with host logic of its own
+        pass
+
+    model, _ = tiny_model()
+    model.decoder.__class__ = CustomDecoder
+    names = fast_training.compile_fast_path_modules(model, scope="network+decoder", backend="aot_eager")
+    assert names == ["backbone", "neck", "encoder.layers.0", "decoder.layers.0"]
+
+
 def test_dino_decoder_compiled_whole_trains_as_eager():
     """DINO's decoder takes the head's box branches as an argument and, in training, a denoising
     mask whose size follows the batch's boxes: traced whole (fullgraph) it trains as eager."""
