@@ -178,7 +178,8 @@ def guard_two_stage_selection(model: torch.nn.Module) -> bool:
             *args,
             **kwargs,
         )
-        decoder_inputs["memory"] = memory  # the decoder samples the padded maps, as in eager
+        if "memory" in decoder_inputs:
+            decoder_inputs["memory"] = memory  # the decoder samples the padded maps, as in eager
         return decoder_inputs, head_inputs
 
     guarded_pre_decoder._guards_two_stage_selection = True
