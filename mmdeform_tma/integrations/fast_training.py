@@ -14,8 +14,8 @@ launched the next ones (docs/benchmarks.md). This path cuts host work with exist
   casts fuse.
 - Deformable DETR's and DINO's decoder whole (`compile_scope='network+decoder'`, the default):
   between its layers the decoder refines the reference points (sine embedding, an MLP, the box
-  branch, inverse sigmoid), some 35 small kernels per layer forward and more backward, each
-  launched from Python. Compiled with the layers, the decoder is one graph. The encoder stays
+  branch, inverse sigmoid), about 35 small kernels per layer forward by a count of the source,
+  more backward, each launched from Python. Compiled with the layers, the decoder is one graph. The encoder stays
   compiled per layer (its reference points iterate the level shapes on the host).
 - CUDA graphs (`mode='reduce-overhead'`, the default): each compiled module's forward and
   backward replay from a graph, a few launches where there were hundreds; one graph is recorded
@@ -136,8 +136,8 @@ def guard_two_stage_selection(model: torch.nn.Module) -> bool:
     DINO and two-stage Deformable DETR rank every encoder cell for the top-k proposals, padded
     cells included: their memory is zeroed, so all of them score the same, and at initialisation
     that score can outrank the image. Bucket padding adds thousands of such cells, and DINO's first
-    iterations then train on proposals in the padding (H100, session 8: loss_bbox 8.2 against
-    eager's 1.08 at iteration 1; the same on the CPU). The guard hands `pre_decoder` only the cells
+    iterations then train on proposals in the padding (H100, 2026-11-23, commit 766d741: loss_bbox
+    8.2 against eager's 1.08 at iteration 1; the same on the CPU). The guard hands `pre_decoder` only the cells
     inside the batch as it was before bucket padding, the cells eager ranks; the decoder still
     attends over the whole padded memory, which its masks make equal to eager's."""
     if is_model_wrapper(model):
@@ -246,7 +246,7 @@ def compile_fast_path_modules(
     model: torch.nn.Module, mode: str = DEFAULT_COMPILE_MODE, scope: str = DEFAULT_COMPILE_SCOPE, **compile_kwargs
 ) -> list[str]:
     """Compile each transformer layer in place, with scope 'network' the backbone and the neck too,
-    and with 'network+decoder' also each Deformable DETR-style decoder whole, in place of its
+    and with 'network+decoder' also Deformable DETR's and DINO's decoder whole, in place of its
     layers; returns the compiled modules' names. Raises if the model has no transformer layer."""
     check_choice("mode", mode, COMPILE_MODES)
     check_choice("scope", scope, COMPILE_SCOPES)
