@@ -110,6 +110,26 @@ def host_wall_per_call(
     return samples
 
 
+def interleaved_host_wall_per_call(
+    calls_by_key: dict, device: torch.device, calls: int, repeats: int, warmup: int
+) -> dict:
+    """host_wall_per_call for several calls at once, their samples interleaved: each of `repeats`
+    rounds takes one sample of every call, the order rotating from round to round. A host whose
+    speed drifts (the H100 machine's did, by up to 1.7x between rows measured one after another:
+    2026-11-23, commit 31a286d) then slows every call's samples alike, instead of the rows that
+    happened to run during the slow spell. Returns key -> samples in microseconds per call."""
+    keys = list(calls_by_key)
+    for key in keys:
+        for _ in range(warmup):
+            calls_by_key[key]()
+    samples: dict = {key: [] for key in keys}
+    for round_ in range(repeats):
+        shift = round_ % len(keys) if keys else 0
+        for key in keys[shift:] + keys[:shift]:
+            samples[key] += host_wall_per_call(calls_by_key[key], device, calls, repeats=1, warmup=0)
+    return samples
+
+
 @dataclass
 class BoundCall:
     """One MSDA implementation bound to one input set, in that implementation's own convention."""

@@ -506,14 +506,17 @@ def host_overhead(args, device: torch.device) -> int:
     load_comparisons(args.compare, env)
     env.update(shape=HOST_OVERHEAD_SHAPE.describe(), method=(
         f"median / p90 over {args.host_repeats} samples of {args.host_calls} back-to-back eager calls each, "
-        f"after {warmup} warm-up calls; time.perf_counter between device synchronisations; inputs that need "
-        "gradients in both directions, as in training"
+        f"after {warmup} warm-up calls; time.perf_counter between device synchronisations; the rows' samples "
+        "interleaved (each round one sample of every row, the order rotating), so that the host's drift "
+        "reaches every row alike; inputs that need gradients in both directions, as in training"
     ))
-    jobs = [(api, backend, dtype, direction) for api, backend in apis for dtype in dtypes for direction in directions]
-    rows = [
-        host_row(HostRow(api, backend, dtype, direction), device, args.host_calls, args.host_repeats, warmup)
-        for api, backend, dtype, direction in bench_common.progress(jobs, len(jobs), "host overhead")
-    ]
+    rows = [HostRow(api, backend, dtype, direction) for api, backend in apis for dtype in dtypes for direction in directions]
+    prepared = {id(row): call for row in rows if (call := prepare_host_row(row, device)) is not None}
+    samples = bench_common.interleaved_host_wall_per_call(prepared, device, args.host_calls, args.host_repeats, warmup)
+    for row in rows:
+        if id(row) in samples:
+            row.timing = bench_common.summarize(samples[id(row)], unit="us")
+            row.calls_per_sample = args.host_calls
     baseline = MMCV_FUNCTION if device.type == "cuda" else MMCV_CPU_PATH  # what mmcv's module calls on this device
     env["baseline"] = baseline
     for row in rows:
@@ -527,7 +530,9 @@ def host_overhead(args, device: torch.device) -> int:
     return 0
 
 
-def host_row(row: HostRow, device: torch.device, calls: int, repeats: int, warmup: int) -> HostRow:
+def prepare_host_row(row: HostRow, device: torch.device):
+    """The call that `row` times, with what it runs recorded in `row.ran`; None when it cannot run
+    here (the reason goes to `row.error`)."""
     name = row.backend if row.api == OUR_API else row.api
     try:
         inputs = make_inputs(HOST_OVERHEAD_SHAPE, DTYPES[row.dtype], "local", device, 0)
@@ -541,16 +546,16 @@ def host_row(row: HostRow, device: torch.device, calls: int, repeats: int, warmu
         if row.api == OUR_API:
             ran = bench_common.observed_backends(call)
             row.ran = ran["forward"] if row.direction == "forward" else f"{ran['forward']} / {ran['backward']}"
-        samples = bench_common.host_wall_per_call(call, device, calls, repeats, warmup)
-        row.timing = bench_common.summarize(samples, unit="us")
-        row.calls_per_sample = calls
+        else:
+            call()  # a foreign function that fails, fails here, where its error is recorded
+        return call
     except mmdeform_tma.BackendUnavailableError as exc:
         row.error = "unavailable: " + str(exc).splitlines()[-1].strip(" -")
     except Exception as exc:
         if row.api == OUR_API:
             raise
         row.error = failure(exc)  # e.g. mmcv's function has no CPU kernel, or mmcv is not installed
-    return row
+    return None
 
 
 def host_table_rows(rows: list[HostRow]) -> tuple[list[str], list[list[object]]]:

@@ -17,8 +17,10 @@
 #                             side by side (--paired), then stock against auto on the fast path; AMP fp16
 #                             (Mask2Former fp32)
 #   parity                    loss parity, eager against --fast: 100 iterations of tools/train.py per
-#                             model on the synthetic set (PARITY_MODELS), tools/compare_loss_curves.py,
-#                             then tools/test.py of the fast run's checkpoint, eager and --fast
+#                             model on the synthetic set (PARITY_MODELS), eager PARITY_EAGER_RUNS times
+#                             (default 2: the second measures eager's run-to-run noise, the bound of
+#                             tools/compare_loss_curves.py --repeats), then tools/test.py of the fast
+#                             run's checkpoint, eager and --fast
 # Each step runs under `timeout`, so a hung kernel cannot take the whole run with it.
 set -u
 OUT=${OUT:-gpu_out}
@@ -112,8 +114,15 @@ if has parity; then
       --work-dir "$OUT/work/$model-eager" --cfg-options $options
     run "train_${model}_fast" ${PARITY_TIMEOUT:-600} python3 tools/train.py "$config" --amp fp16 --fast \
       --work-dir "$OUT/work/$model-fast" --cfg-options $options
+    # eager again, same seed: the run-to-run noise that the fast run's offset is judged against
+    repeats=()
+    for i in $(seq 2 $(( ${PARITY_EAGER_RUNS:-2} ))); do
+      run "train_${model}_eager_$i" ${PARITY_TIMEOUT:-600} python3 tools/train.py "$config" --amp fp16 \
+        --work-dir "$OUT/work/$model-eager-$i" --cfg-options $options
+      repeats+=("$OUT/work/$model-eager-$i")
+    done
     run "parity_$model" 120 python3 tools/compare_loss_curves.py "$OUT/work/$model-eager" "$OUT/work/$model-fast" \
-      --out "$OUT/loss_parity_$model"
+      ${repeats[@]:+--repeats "${repeats[@]}"} --out "$OUT/loss_parity_$model"
     for mode in eager fast; do
       flag=$([ $mode = fast ] && echo --fast)
       run "test_${model}_$mode" ${PARITY_TIMEOUT:-600} python3 tools/test.py "$config" "$OUT/work/$model-fast/epoch_1.pth" \

@@ -30,6 +30,31 @@ def test_host_wall_per_call_counts_calls_and_scales_per_call():
     assert all(2000 <= us < 20000 for us in samples)  # microseconds per call, not per sample
 
 
+def test_interleaved_samples_take_every_call_in_each_round_in_rotating_order():
+    order = []
+    calls = {key: (lambda key=key: order.append(key)) for key in "abc"}
+    samples = bench_common.interleaved_host_wall_per_call(calls, torch.device("cpu"), calls=2, repeats=3, warmup=1)
+    assert {key: len(v) for key, v in samples.items()} == {"a": 3, "b": 3, "c": 3}
+    assert all(us > 0 for v in samples.values() for us in v)
+    warm, rounds = order[:3], order[3:]
+    assert warm == ["a", "b", "c"]
+    assert rounds == ["a", "a", "b", "b", "c", "c", "b", "b", "c", "c", "a", "a", "c", "c", "a", "a", "b", "b"]
+
+
+def test_a_slow_spell_of_the_host_reaches_every_interleaved_row():
+    """The drift that interleaving is for: the host slows down halfway through; measured one row
+    after another, only the later row would pay it."""
+    clock = {"calls": 0}
+
+    def call():
+        clock["calls"] += 1
+        time.sleep(0.010 if clock["calls"] > 20 else 0.001)
+
+    samples = bench_common.interleaved_host_wall_per_call({"a": call, "b": call}, torch.device("cpu"), 2, 10, 0)
+    slow = lambda v: sum(us > 5000 for us in v)  # noqa: E731
+    assert slow(samples["a"]) == slow(samples["b"]) == 5
+
+
 def test_summarize_names_its_unit():
     stats = bench_common.summarize([3.0, 1.0, 2.0], unit="us")
     assert stats == {"median_us": 2.0, "p90_us": 3.0, "p99_us": 3.0, "samples": 3}

@@ -136,3 +136,42 @@ def test_compare_loss_curves_undoes_mmengine_running_means(tmp_path):
     sparse = write_logged_run(tmp_path / "b" / "20261123_000000", losses, window=7, every=2)
     with pytest.raises(ValueError, match="window_size=1"):
         compare_loss_curves.read_curve(sparse)
+
+
+def write_curve(run_dir, losses):
+    """A hand-made run dir: per-iteration losses, no saved config (taken as logged)."""
+    (run_dir / "run" / "vis_data").mkdir(parents=True)
+    lines = [json.dumps({"loss": loss, "iter": step, "step": step}) for step, loss in enumerate(losses, start=1)]
+    (run_dir / "run" / "vis_data" / "scalars.json").write_text("\n".join(lines) + "\n")
+    return run_dir
+
+
+def test_compare_loss_curves_bounds_the_offset_by_the_reference_runs_own_noise(tmp_path):
+    """Two runs of the reference configuration that sit 1.5 % apart make a 1.2 % offset noise; without
+    them, the default 1 % bound flags it, and an offset beyond the measured noise stays flagged."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    import compare_loss_curves
+
+    base = [10.0 - 0.05 * i + (0.3 if i % 2 else -0.3) for i in range(1, 41)]
+    eager_a, eager_b = base, [v * 1.015 for v in base]
+    fast = [v * 1.012 for v in base]
+    far = [v * 1.03 for v in base]
+    curve = lambda values: dict(enumerate(values, start=1))  # noqa: E731
+    assert not compare_loss_curves.compare(curve(eager_a), curve(fast))["within_noise"]
+    noise = compare_loss_curves.run_to_run_noise([curve(eager_a), curve(eager_b)])
+    assert noise["runs"] == 2 and noise["largest_offset"] == pytest.approx(0.015)
+    assert noise["offset_bound"] == pytest.approx(0.015)
+    result = compare_loss_curves.compare_with_repeats([curve(eager_a), curve(eager_b)], curve(fast))
+    assert result["within_noise"] and result["max_offset"] == pytest.approx(0.015)
+    assert result["offsets_against_each_reference"] == pytest.approx([0.012, 1.012 / 1.015 - 1])
+    assert not compare_loss_curves.compare_with_repeats([curve(eager_a), curve(eager_b)], curve(far))["within_noise"]
+    # quieter references never loosen the bound below --max-offset
+    assert compare_loss_curves.run_to_run_noise([curve(eager_a), curve(eager_a)])["offset_bound"] == 0.01
+    with pytest.raises(ValueError, match="at least two runs"):
+        compare_loss_curves.run_to_run_noise([curve(eager_a)])
+
+    dirs = [write_curve(tmp_path / name, values) for name, values in (("a", eager_a), ("b", eager_b), ("f", fast))]
+    assert compare_loss_curves.main([str(dirs[0]), str(dirs[2])]) == 1
+    assert compare_loss_curves.main([str(dirs[0]), str(dirs[2]), "--repeats", str(dirs[1]), "--out", str(tmp_path / "r")]) == 0
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["run_to_run"]["offset_bound"] == pytest.approx(0.015) and report["within_noise"]
