@@ -156,7 +156,10 @@ def test_compare_loss_curves_bounds_the_offset_by_the_reference_runs_own_noise(t
     eager_a, eager_b = base, [v * 1.015 for v in base]
     fast = [v * 1.012 for v in base]
     far = [v * 1.03 for v in base]
-    curve = lambda values: dict(enumerate(values, start=1))  # noqa: E731
+
+    def curve(values):
+        return dict(enumerate(values, start=1))
+
     assert not compare_loss_curves.compare(curve(eager_a), curve(fast))["within_noise"]
     noise = compare_loss_curves.run_to_run_noise([curve(eager_a), curve(eager_b)])
     assert noise["runs"] == 2 and noise["largest_offset"] == pytest.approx(0.015)
