@@ -310,6 +310,10 @@ class Result:
     host_syncs: float | None = None
     sync_calls: dict = field(default_factory=dict)
     scalar_reads: float | None = None
+    # per timed training iteration: the cyclic garbage collector's host time, and its collections of
+    # the oldest generation (bench_common.GcMeter)
+    gc_ms: float | None = None
+    gc_full_collections: float | None = None
     host_phases: dict = field(default_factory=dict)  # label -> host_ms, launches, syncs, scalar_reads
     gpu_over_wall_pct: float | None = None
     compiled_graphs: int | None = None  # fast rows: graphs torch.compile made over the whole run
@@ -368,7 +372,10 @@ def run_one(
         train_step()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    result.train_ms = bench_common.summarize(time_loop(train_step, args.iters, device))
+    with bench_common.GcMeter() as gc_meter:
+        result.train_ms = bench_common.summarize(time_loop(train_step, args.iters, device))
+    result.gc_ms = gc_meter.ms / args.iters
+    result.gc_full_collections = gc_meter.collections[2] / args.iters
     if device.type == "cuda":
         result.peak_memory_mb = torch.cuda.max_memory_allocated(device) / 2**20
         result.peak_reserved_mb = torch.cuda.max_memory_reserved(device) / 2**20
@@ -652,7 +659,7 @@ def summarize_runs(results: list[Result]) -> list[dict]:
         )
         for key in (
             "gpu_kernel_ms", "gpu_over_wall_pct", "kernel_launches", "graph_launches", "host_syncs", "scalar_reads",
-            "compiled_graphs", "peak_memory_mb", "peak_reserved_mb", "msda_share_pct", "max_loss_rel_diff_vs_mmcv",
+            "gc_ms", "gc_full_collections", "compiled_graphs", "peak_memory_mb", "peak_reserved_mb", "msda_share_pct", "max_loss_rel_diff_vs_mmcv",
         ):
             row[key] = median_or_none([getattr(r, key) for r in good])
         labels = list(dict.fromkeys(label for r in good for label in r.host_phases))
@@ -677,8 +684,9 @@ def summarize_runs(results: list[Result]) -> list[dict]:
 
 def table(results: list[Result]) -> tuple[list[str], list[list[object]]]:
     header = [
-        "variant", "precision", "train ms/iter", "spread", "vs stock", "GPU kernel ms/iter", "GPU/wall %", "bound",
-        "launches/iter", "graph replays/iter", "syncs/iter", "scalar reads/iter", "infer ms/batch", "infer vs stock",
+        "variant", "precision", "train ms/iter", "p90", "spread", "vs stock", "GPU kernel ms/iter", "GPU/wall %", "bound",
+        "launches/iter", "graph replays/iter", "syncs/iter", "scalar reads/iter", "GC ms/iter", "infer ms/batch",
+        "infer vs stock",
         "images/s", "peak MB", "reserved MB", "compiled graphs", "MSDA %", "loss diff vs mmcv",
     ]
     rows = []
@@ -688,10 +696,12 @@ def table(results: list[Result]) -> tuple[list[str], list[list[object]]]:
             continue
         rows.append(
             [
-                r["label"], r["precision"], fmt(r["train_ms"], ".1f"), f"{r['train_min']:.1f}-{r['train_max']:.1f}",
+                r["label"], r["precision"], fmt(r["train_ms"], ".1f"), fmt(r["train_p90"], ".1f"),
+                f"{r['train_min']:.1f}-{r['train_max']:.1f}",
                 fmt(r["train_vs_stock"], ".2f"), fmt(r["gpu_kernel_ms"], ".1f"), fmt(r["gpu_over_wall_pct"], ".0f"),
                 r["bound"] or "-", fmt(r["kernel_launches"], ".0f"), fmt(r["graph_launches"], ".0f"), fmt(r["host_syncs"], ".0f"),
-                fmt(r["scalar_reads"], ".0f"), fmt(r["infer_ms"], ".1f"), fmt(r["infer_vs_stock"], ".2f"),
+                fmt(r["scalar_reads"], ".0f"), fmt(r["gc_ms"], ".2f"), fmt(r["infer_ms"], ".1f"),
+                fmt(r["infer_vs_stock"], ".2f"),
                 fmt(r["images_per_s"], ".1f"), fmt(r["peak_memory_mb"], ".0f"), fmt(r["peak_reserved_mb"], ".0f"),
                 fmt(r["compiled_graphs"], ".0f"), fmt(r["msda_share_pct"], ".0f"), fmt(r["max_loss_rel_diff_vs_mmcv"], ".1e"),
             ]
@@ -766,7 +776,10 @@ def write_outputs(prefix: Path, env: dict, results: list[Result]) -> None:
                 f"time over the un-profiled median iteration; below {BOUND_THRESHOLD:.0%} the iteration is host-bound: "
                 "the GPU waits for the host. 'peak MB' is the peak of allocated tensors over the timed iterations, "
                 "'reserved MB' the allocator's peak reservation, which also holds the CUDA-graph pools of "
-                "reduce-overhead (graph replays allocate nothing, so 'peak MB' misses them).",
+                "reduce-overhead (graph replays allocate nothing, so 'peak MB' misses them). 'p90' is the 90th "
+                "percentile of the timed iterations, 'GC ms' the host time Python's cyclic garbage collector took "
+                "per timed iteration (un-profiled): every iteration does the same work, so a p90 far above the "
+                "median is a stall in some of them.",
                 "",
                 bench_common.markdown_table(header, rows),
                 *paired_section(paired),

@@ -78,12 +78,14 @@ def test_benchmark_e2e_cpu_smoke(tmp_path):
         assert r["error"] is None and r["train_ms"]["median_ms"] > 0 and len(r["losses"]) == 2
         assert r["max_loss_rel_diff_vs_mmcv"] < 1e-6  # the reference is mmcv's own CPU path
         assert r["scalar_reads"] > 0  # mmdet's losses and assigner read scalars every iteration
+        assert r["gc_ms"] >= 0 and r["gc_full_collections"] >= 0  # measured on every row, the CPU's included
         assert r["gpu_kernel_ms"] is None and r["host_syncs"] is None and r["bound"] is None  # no device on the CPU
         phases = r["host_phases"]
         assert {"data preprocessor", "backbone + neck", "transformer", "head + loss", "assigner", "backward", "other"} <= set(phases)
         assert phases["assigner"]["host_ms"] < phases["head + loss"]["host_ms"] and phases["head + loss"]["scalar_reads"] > 0
     markdown = (tmp_path / "e2e.md").read_text()
     assert (tmp_path / "e2e.png").exists() and "| variant |" in markdown and "GPU/wall %" in markdown
+    assert "| train ms/iter | p90 | spread |" in markdown and "| GC ms/iter |" in markdown
     assert "Where the host's iteration goes" in markdown and "| variant | precision | data preprocessor | backbone + neck |" in markdown
 
 

@@ -120,3 +120,15 @@ def test_host_overhead_needs_a_direction_it_measures():
 def test_host_overhead_writes_to_its_own_default_prefix():
     assert benchmark_op.parse_args(["--host-overhead"]).out == Path("bench_results/op_host")
     assert benchmark_op.parse_args([]).out == Path("bench_results/op")
+
+
+def test_gc_meter_times_the_collections_inside_it_only():
+    import gc
+
+    with bench_common.GcMeter() as meter:
+        gc.collect()
+        gc.collect(0)
+    assert meter.collections[2] >= 1 and meter.collections[0] >= 1 and meter.ms > 0
+    after = list(meter.collections)
+    gc.collect()
+    assert meter.collections == after  # unregistered on exit
