@@ -71,7 +71,7 @@ from mmengine.registry import HOOKS
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")
 DEFAULT_COMPILE_MODE = "reduce-overhead"
-# what is compiled: the transformer layers, or also the backbone and the neck
+# what is compiled: the transformer layers; also the backbone and the neck; also the decoder whole
 COMPILE_SCOPES = ("layers", "network", "network+decoder")
 DEFAULT_COMPILE_SCOPE = "network+decoder"
 NETWORK_PARTS = ("backbone", "neck")
