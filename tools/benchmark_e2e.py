@@ -23,13 +23,14 @@ the rounds interleaved, and reports the spread.
 What bounds a training iteration, from a torch.profiler trace of a few iterations (CPU and CUDA
 activity; each iteration in a record_function range): the GPU kernel time (sum of kernel
 durations), kernel launches (cudaLaunch*/cuLaunch* calls), host synchronisations
-(cudaStreamSynchronize, cudaDeviceSynchronize, cudaEventSynchronize, synchronous cudaMemcpy),
-scalar reads (aten::_local_scalar_dense: .item(), bool(tensor), ...) and the MSDA kernels' share of
+(cudaStreamSynchronize, cudaDeviceSynchronize, cudaEventSynchronize, synchronous cudaMemcpy) and
+the host time blocked in them (waiting for the GPU), scalar reads (aten::_local_scalar_dense: .item(), bool(tensor), ...) and the MSDA kernels' share of
 the kernel time, all per iteration. Against the un-profiled wall time: 'GPU/wall' below
 BOUND_THRESHOLD means the GPU idles while the host works, i.e. the run is host-bound. The same
 trace splits the host's iteration into phases (data preprocessor, backbone and neck, transformer,
 head and loss with the assigner inside it, backward, optimizer step): each phase's host time,
-launches, synchronisations and scalar reads, so a host-bound run shows where the host goes.
+launches, synchronisations, time waiting in them and scalar reads, so a host-bound run shows
+where the host goes, and whether it works or waits there.
 """
 
 from __future__ import annotations
@@ -139,9 +140,8 @@ def iteration_breakdown(events: list[TraceEvent], msda_kernels: re.Pattern = MSD
     steps = [(e.start_us, e.start_us + e.duration_us) for e in events if e.name == STEP_RANGE and not e.on_device]
     if not steps:
         raise ValueError(f"no {STEP_RANGE!r} ranges in the trace")
-    host = Counter(
-        e.name for e in events if not e.on_device and any(start <= e.start_us <= end for start, end in steps)
-    )
+    in_steps = [e for e in events if not e.on_device and any(start <= e.start_us <= end for start, end in steps)]
+    host = Counter(e.name for e in in_steps)
     kernels = [e for e in events if e.on_device and not e.name.startswith(COPY_OR_FILL)]
     kernel_us = sum(k.duration_us for k in kernels)
     msda_us = sum(k.duration_us for k in kernels if msda_kernels.search(k.name))
@@ -154,31 +154,40 @@ def iteration_breakdown(events: list[TraceEvent], msda_kernels: re.Pattern = MSD
         "graph_launches": sum(count for name, count in host.items() if name.startswith(GRAPH_LAUNCH)) / n,
         "host_syncs": sum(syncs.values()),
         "sync_calls": syncs,
+        "sync_wait_ms": sync_wait_ms(in_steps) / n,
         "scalar_reads": host[SCALAR_READ] / n,
         "msda_share_pct": 100.0 * msda_us / kernel_us if kernel_us else None,
         "host_phases": phase_breakdown(events, steps),
     }
 
 
-def host_counts(names) -> dict:
-    names = list(names)
+def sync_wait_ms(events) -> float:
+    """Host milliseconds spent inside synchronising calls: the host waiting for the GPU (a
+    synchronous copy's transfer included, microseconds for the scalars these are)."""
+    return sum(e.duration_us for e in events if e.name in HOST_SYNC_CALLS) / 1e3
+
+
+def host_counts(events) -> dict:
+    events = list(events)
     return {
-        "launches": sum(name.startswith(LAUNCH_PREFIXES) for name in names),
-        "syncs": sum(name in HOST_SYNC_CALLS for name in names),
-        "scalar_reads": sum(name == SCALAR_READ for name in names),
+        "launches": sum(e.name.startswith(LAUNCH_PREFIXES) for e in events),
+        "syncs": sum(e.name in HOST_SYNC_CALLS for e in events),
+        "wait_ms": sync_wait_ms(events),
+        "scalar_reads": sum(e.name == SCALAR_READ for e in events),
     }
 
 
 def phase_breakdown(events: list[TraceEvent], steps: list[tuple[float, float]]) -> dict:
     """Per iteration, for each phase range (PHASE_PREFIX) and for the rest of the step ('other'):
-    host ms, and the launches, synchronisations and scalar reads that started inside it. A range
+    host ms, and the launches, synchronisations (their count, and the ms the host waited in them)
+    and scalar reads that started inside it. A range
     covers every thread's events in its time span (the backward's launches run on autograd's).
     Profiling slows the host, so the times are larger than un-profiled ones; the shares hold."""
     host = sorted((e for e in events if not e.on_device and not e.name.startswith((STEP_RANGE, PHASE_PREFIX))), key=lambda e: e.start_us)
     starts = [e.start_us for e in host]
 
-    def inside(start: float, end: float) -> list[str]:
-        return [e.name for e in host[bisect.bisect_left(starts, start) : bisect.bisect_right(starts, end)]]
+    def inside(start: float, end: float) -> list[TraceEvent]:
+        return host[bisect.bisect_left(starts, start) : bisect.bisect_right(starts, end)]
 
     n = len(steps)
     phases: dict[str, dict] = {}
@@ -202,7 +211,7 @@ def phase_breakdown(events: list[TraceEvent], steps: list[tuple[float, float]]) 
     in_phases = Counter()
     for start, end in top_level_spans:
         in_phases.update(host_counts(inside(start, end)))
-    for key, value in host_counts(name for start, end in steps for name in inside(start, end)).items():
+    for key, value in host_counts(e for start, end in steps for e in inside(start, end)).items():
         other[key] = value - in_phases[key]
     phases["other"] = other
     return {label: {key: value / n for key, value in totals.items()} for label, totals in phases.items()}
@@ -280,7 +289,8 @@ def profile_iterations(
     breakdown = iteration_breakdown(trace_events(prof.events()), msda_kernels)
     if device.type != "cuda":  # no device: no kernels, launches or synchronisations to count
         breakdown.update(
-            gpu_kernel_ms=None, gpu_kernels=None, kernel_launches=None, graph_launches=None, host_syncs=None, sync_calls={}
+            gpu_kernel_ms=None, gpu_kernels=None, kernel_launches=None, graph_launches=None, host_syncs=None, sync_calls={},
+            sync_wait_ms=None,
         )
     return breakdown
 
@@ -309,12 +319,13 @@ class Result:
     graph_launches: float | None = None
     host_syncs: float | None = None
     sync_calls: dict = field(default_factory=dict)
+    sync_wait_ms: float | None = None  # host time blocked in those synchronisations
     scalar_reads: float | None = None
     # per timed training iteration: the cyclic garbage collector's host time, and its collections of
     # the oldest generation (bench_common.GcMeter)
     gc_ms: float | None = None
     gc_full_collections: float | None = None
-    host_phases: dict = field(default_factory=dict)  # label -> host_ms, launches, syncs, scalar_reads
+    host_phases: dict = field(default_factory=dict)  # label -> host_ms, launches, syncs, wait_ms, scalar_reads
     gpu_over_wall_pct: float | None = None
     compiled_graphs: int | None = None  # fast rows: graphs torch.compile made over the whole run
     bound: str | None = None  # 'host' or 'GPU'
@@ -658,7 +669,7 @@ def summarize_runs(results: list[Result]) -> list[dict]:
             images_per_s=median_or_none([r.images_per_s for r in good]),
         )
         for key in (
-            "gpu_kernel_ms", "gpu_over_wall_pct", "kernel_launches", "graph_launches", "host_syncs", "scalar_reads",
+            "gpu_kernel_ms", "gpu_over_wall_pct", "kernel_launches", "graph_launches", "host_syncs", "sync_wait_ms", "scalar_reads",
             "gc_ms", "gc_full_collections", "compiled_graphs", "peak_memory_mb", "peak_reserved_mb", "msda_share_pct", "max_loss_rel_diff_vs_mmcv",
         ):
             row[key] = median_or_none([getattr(r, key) for r in good])
@@ -666,7 +677,7 @@ def summarize_runs(results: list[Result]) -> list[dict]:
         row["host_phases"] = {
             label: {
                 key: median_or_none([r.host_phases[label][key] for r in good if label in r.host_phases])
-                for key in ("host_ms", "launches", "syncs", "scalar_reads")
+                for key in ("host_ms", "launches", "syncs", "wait_ms", "scalar_reads")
             }
             for label in labels
         }
@@ -685,7 +696,8 @@ def summarize_runs(results: list[Result]) -> list[dict]:
 def table(results: list[Result]) -> tuple[list[str], list[list[object]]]:
     header = [
         "variant", "precision", "train ms/iter", "p90", "spread", "vs stock", "GPU kernel ms/iter", "GPU/wall %", "bound",
-        "launches/iter", "graph replays/iter", "syncs/iter", "scalar reads/iter", "GC ms/iter", "infer ms/batch",
+        "launches/iter", "graph replays/iter", "syncs/iter", "sync wait ms/iter", "scalar reads/iter", "GC ms/iter",
+        "infer ms/batch",
         "infer vs stock",
         "images/s", "peak MB", "reserved MB", "compiled graphs", "MSDA %", "loss diff vs mmcv",
     ]
@@ -700,7 +712,7 @@ def table(results: list[Result]) -> tuple[list[str], list[list[object]]]:
                 f"{r['train_min']:.1f}-{r['train_max']:.1f}",
                 fmt(r["train_vs_stock"], ".2f"), fmt(r["gpu_kernel_ms"], ".1f"), fmt(r["gpu_over_wall_pct"], ".0f"),
                 r["bound"] or "-", fmt(r["kernel_launches"], ".0f"), fmt(r["graph_launches"], ".0f"), fmt(r["host_syncs"], ".0f"),
-                fmt(r["scalar_reads"], ".0f"), fmt(r["gc_ms"], ".2f"), fmt(r["infer_ms"], ".1f"),
+                fmt(r["sync_wait_ms"], ".1f"), fmt(r["scalar_reads"], ".0f"), fmt(r["gc_ms"], ".2f"), fmt(r["infer_ms"], ".1f"),
                 fmt(r["infer_vs_stock"], ".2f"),
                 fmt(r["images_per_s"], ".1f"), fmt(r["peak_memory_mb"], ".0f"), fmt(r["peak_reserved_mb"], ".0f"),
                 fmt(r["compiled_graphs"], ".0f"), fmt(r["msda_share_pct"], ".0f"), fmt(r["max_loss_rel_diff_vs_mmcv"], ".1e"),
@@ -710,7 +722,7 @@ def table(results: list[Result]) -> tuple[list[str], list[list[object]]]:
 
 
 def phase_table(results: list[Result]) -> tuple[list[str], list[list[object]]]:
-    """Host time per training iteration by phase: 'ms (launches / syncs)' per variant."""
+    """Host time per training iteration by phase: 'ms (launches / syncs, wait ms)' per variant."""
     summary = [r for r in summarize_runs(results) if not r["error"] and r.get("host_phases")]
     labels = list(dict.fromkeys(label for r in summary for label in r["host_phases"]))
     if not labels:
@@ -721,16 +733,24 @@ def phase_table(results: list[Result]) -> tuple[list[str], list[list[object]]]:
         cells = []
         for label in labels:
             phase = r["host_phases"].get(label)
-            cells.append("-" if phase is None else f"{phase['host_ms']:.1f} ({phase['launches']:.0f} / {phase['syncs']:.0f})")
+            cells.append("-" if phase is None else phase_cell(phase))
         rows.append([r["label"], r["precision"], *cells])
     return header, rows
+
+
+def phase_cell(phase: dict) -> str:
+    wait = phase.get("wait_ms")  # absent from results written before it was measured
+    waited = "" if wait is None else f", wait {wait:.1f}"
+    return f"{phase['host_ms']:.1f} ({phase['launches']:.0f} / {phase['syncs']:.0f}{waited})"
 
 
 def format_table(results: list[Result]) -> str:
     text = bench_common.console_table(*table(results))
     header, rows = phase_table(results)
     if rows:
-        text += "\n\nHost ms per iteration by phase (launches / syncs), profiled:\n" + bench_common.console_table(header, rows)
+        text += "\n\nHost ms per iteration by phase (launches / syncs, ms waiting in syncs), profiled:\n" + bench_common.console_table(
+            header, rows
+        )
     return text
 
 
@@ -772,6 +792,7 @@ def write_outputs(prefix: Path, env: dict, results: list[Result]) -> None:
                 "kernel durations, 'launches' the cudaLaunch*/cuLaunch*/cudaGraphLaunch calls ('graph replays' the last "
                 "alone), 'syncs' the host waits "
                 "(cudaStreamSynchronize, cudaDeviceSynchronize, cudaEventSynchronize, synchronous cudaMemcpy), "
+                "'sync wait ms' the host time spent blocked inside them, waiting for the GPU, "
                 "'scalar reads' the aten::_local_scalar_dense calls (.item() and friends). 'GPU/wall' is the kernel "
                 f"time over the un-profiled median iteration; below {BOUND_THRESHOLD:.0%} the iteration is host-bound: "
                 "the GPU waits for the host. 'peak MB' is the peak of allocated tensors over the timed iterations, "
@@ -825,7 +846,8 @@ def phase_section(results: list[Result]) -> list[str]:
         "## Where the host's iteration goes",
         "",
         "Host milliseconds per training iteration in each phase, with the kernel launches and host "
-        "synchronisations issued inside it, from the profiled iterations (the profiler slows the host, so "
+        "synchronisations issued inside it and the milliseconds the host waited in those synchronisations "
+        "for the GPU ('wait'; the rest of a phase's time is host work), from the profiled iterations (the profiler slows the host, so "
         "these times exceed the un-profiled ones; the shares hold). 'assigner' is part of 'head + loss'; "
         "'other' is the rest of the step (mmdet's train_step around the phases).",
         "",

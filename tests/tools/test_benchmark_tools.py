@@ -221,6 +221,26 @@ def test_summarize_runs_medians_spread_and_ratio_to_stock():
     assert rows["stock"]["bound"] == "host" and rows["tma"]["error"] == "RuntimeError: no"
 
 
+def test_phase_table_shows_the_wait_in_synchronisations_beside_launches_and_syncs():
+    import benchmark_e2e
+
+    phases = {
+        "head + loss": {"host_ms": 90.4, "calls": 1, "launches": 2038, "syncs": 192, "wait_ms": 31.25, "scalar_reads": 80},
+        "backward": {"host_ms": 62.9, "calls": 1, "launches": 1220, "syncs": 0, "wait_ms": 0.0, "scalar_reads": 0},
+    }
+    result = benchmark_e2e.Result(
+        "auto", "amp-fp16", True, train_ms={"median_ms": 140.0, "p90_ms": 150.0}, infer_ms={"median_ms": 20.0},
+        host_phases=phases, sync_wait_ms=31.25, host_syncs=192,
+    )
+    header, rows = benchmark_e2e.phase_table([result])
+    assert header == ["variant", "precision", "head + loss", "backward"]
+    assert rows == [["auto+fast", "amp-fp16", "90.4 (2038 / 192, wait 31.2)", "62.9 (1220 / 0, wait 0.0)"]]
+    header, (row,) = benchmark_e2e.table([result])
+    assert row[header.index("sync wait ms/iter")] == "31.2"
+    # phases of results saved before the wait was measured print without it
+    assert benchmark_e2e.phase_cell({"host_ms": 3.5, "launches": 3, "syncs": 0}) == "3.5 (3 / 0)"
+
+
 def trace(name, start, duration, on_device=False):
     import benchmark_e2e
 
@@ -246,6 +266,8 @@ def test_iteration_breakdown_counts_per_step_inside_the_step_ranges():
     assert got["gpu_kernels"] == 1.5 and got["kernel_launches"] == 3.5 and got["graph_launches"] == 0.5
     assert got["sync_calls"] == {"cudaStreamSynchronize": 1, "cudaDeviceSynchronize": 0, "cudaEventSynchronize": 0, "cudaMemcpy": 0.5}
     assert got["host_syncs"] == 1.5 and got["scalar_reads"] == 2
+    # per step: the 5 us stream sync; the second also the 2 us synchronous copy; not the profiler's own sync
+    assert got["sync_wait_ms"] == pytest.approx((5 + 5 + 2) / 2 / 1e3)
     assert got["msda_share_pct"] == pytest.approx(100 * 30 / 160)
 
 
@@ -262,11 +284,14 @@ def test_phase_breakdown_splits_the_host_iteration():
         events += [trace("cudaLaunchKernel", start + 700 + i, 1) for i in range(3)]  # backward: 3 launches
         events += [trace("cudaLaunchKernel", start + 50, 1)]  # outside every phase: 'other'
     got = benchmark_e2e.phase_breakdown(events, [(0, 1000), (1000, 2000)])
-    assert got["head + loss"] == {"host_ms": 0.4, "calls": 1, "launches": 1, "syncs": 1, "scalar_reads": 1}
-    assert got["assigner"] == {"host_ms": 0.1, "calls": 1, "launches": 0, "syncs": 1, "scalar_reads": 1}
-    assert got["backward"] == {"host_ms": 0.3, "calls": 1, "launches": 3, "syncs": 0, "scalar_reads": 0}
+    wait = 0.005  # the assigner's 5 us sync, in ms
+    assert got["head + loss"] == {"host_ms": 0.4, "calls": 1, "launches": 1, "syncs": 1, "wait_ms": wait, "scalar_reads": 1}
+    assert got["assigner"] == {"host_ms": 0.1, "calls": 1, "launches": 0, "syncs": 1, "wait_ms": wait, "scalar_reads": 1}
+    assert got["backward"] == {"host_ms": 0.3, "calls": 1, "launches": 3, "syncs": 0, "wait_ms": 0, "scalar_reads": 0}
     # the nested assigner is not subtracted twice
-    assert got["other"] == {"host_ms": pytest.approx(0.3), "calls": 1, "launches": 1, "syncs": 0, "scalar_reads": 0}
+    assert got["other"] == {
+        "host_ms": pytest.approx(0.3), "calls": 1, "launches": 1, "syncs": 0, "wait_ms": 0, "scalar_reads": 0
+    }
     assert benchmark_e2e.phase_breakdown(events[:1], [(0, 1000)]) == {}  # no phase ranges: nothing to split
 
 
