@@ -103,6 +103,7 @@ def build_model(config_path: str, backend: str, device: torch.device, seed: int,
     model = model.to(device)
     if fast is not None:
         fast_training.compile_fast_path_modules(model, **fast)
+        fast_training.host_shaped_encoder_reference_points(model)
         fast_training.guard_two_stage_selection(model)
     return model, cfg
 

@@ -25,6 +25,9 @@ launched the next ones (docs/benchmarks.md). This path cuts host work with exist
   outputs were taken for pending work and overwritten). On an H100 (2026-11-23, commit 88fd07b)
   this made a Deformable DETR bs 2 AMP iteration 113 ms against 193 ms compiled without graphs
   and 246 ms stock (docs/benchmarks.md, session 6).
+- the encoder's reference points from the feature maps' shapes, which the host knows, not from
+  the device tensor of level shapes that mmdet reads back level by level
+  (`host_shaped_encoder_reference_points`): 16 fewer host syncs per iteration with four levels.
 - the optimizer's fused CUDA kernel (`fused=True`, torch's Adam/AdamW/SGD), which also lets AMP's
   GradScaler skip its per-step `found_inf.item()` synchronisation.
 - `MergedParamGroupsConstructor`: mmengine's default constructor with `paramwise_cfg` (every
@@ -44,7 +47,7 @@ launched the next ones (docs/benchmarks.md). This path cuts host work with exist
 
 What stays on the host is mmdet's: the Hungarian assigner (a SciPy solve per image and decoder
 layer, each with a device-to-host copy), the losses' average factors read back with `.item()`,
-the encoders' reference points, and mmengine's logging of every loss value.
+and mmengine's logging of every loss value.
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ from mmdet.models.data_preprocessors.data_preprocessor import BatchFixedSizePad
 from mmdet.models.detectors import DeformableDETR
 from mmdet.models.layers.transformer import (
     DeformableDetrTransformerDecoder,
+    DeformableDetrTransformerEncoder,
     DetrTransformerDecoderLayer,
     DetrTransformerEncoderLayer,
     DinoTransformerDecoder,
@@ -187,6 +191,64 @@ def guard_two_stage_selection(model: torch.nn.Module) -> bool:
     return True
 
 
+@functools.lru_cache(maxsize=64)
+def _reference_grid(level_shapes: tuple, device: torch.device, inference: bool):
+    """Per encoder cell, level by level as mmdet flattens them: its centre (x, y) in cells, made by
+    the linspace and meshgrid mmdet makes; its level; and its level's (width, height). `inference`
+    only keys the cache: tensors made under inference mode cannot enter training's autograd."""
+    centres, levels, sizes = [], [], []
+    for level, (h, w) in enumerate(level_shapes):
+        ref_y, ref_x = torch.meshgrid(
+            torch.linspace(0.5, h - 0.5, h, dtype=torch.float32, device=device),
+            torch.linspace(0.5, w - 0.5, w, dtype=torch.float32, device=device),
+            indexing="ij",
+        )
+        centres.append(torch.stack((ref_x.reshape(-1), ref_y.reshape(-1)), -1))
+        levels.append(torch.full((h * w,), level, dtype=torch.long, device=device))
+        sizes.append(torch.tensor([[w, h]], dtype=torch.float32, device=device).expand(h * w, 2))
+    return torch.cat(centres), torch.cat(levels), torch.cat(sizes)
+
+
+def host_shaped_encoder_reference_points(model: torch.nn.Module) -> bool:
+    """Give a Deformable DETR / DINO encoder its reference points without host syncs; True if
+    `model` has such an encoder.
+
+    mmdet builds them level by level from the level shapes in a device tensor: `linspace` needs
+    each height and width on the host, four reads of device memory per level, each a wait for the
+    GPU (H100, 2026-11-23: 16 of the 20 syncs per iteration in Deformable DETR's fast
+    transformer phase). The sizes are the feature maps' shapes, which the host knows: the
+    detector's `pre_transformer` records them, and the encoder builds the same points from them, a
+    cached cell grid divided by the valid ratios, the same float32 operations, no host read
+    (bitwise equal, CPU test). A call without a recorded shape (the encoder run on its own) takes
+    mmdet's own path."""
+    if is_model_wrapper(model):
+        model = model.module
+    encoder = getattr(model, "encoder", None)
+    if not (isinstance(model, DeformableDETR) and type(encoder) is DeformableDetrTransformerEncoder):
+        return False
+    if getattr(encoder.get_encoder_reference_points, "_uses_host_shapes", False):
+        return True
+    pre_transformer, mmdet_reference_points = model.pre_transformer, encoder.get_encoder_reference_points
+    recorded = []  # the current forward's level shapes: set by pre_transformer, taken by the encoder
+
+    def recording_pre_transformer(mlvl_feats, batch_data_samples=None):
+        recorded[:] = [tuple(tuple(feat.shape[-2:]) for feat in mlvl_feats)]
+        return pre_transformer(mlvl_feats, batch_data_samples)
+
+    def reference_points(spatial_shapes, valid_ratios, device):
+        if not recorded or len(recorded[0]) != spatial_shapes.shape[0]:
+            return mmdet_reference_points(spatial_shapes, valid_ratios, device)
+        grid_key = (recorded.pop(), torch.device(device), torch.is_inference_mode_enabled())
+        centres, levels, sizes = _reference_grid(*grid_key)
+        # mmdet: centre / (valid ratio of the level * level size), then times every level's valid ratio
+        points = centres[None] / (valid_ratios[:, levels] * sizes)
+        return points[:, :, None] * valid_ratios[:, None]
+
+    reference_points._uses_host_shapes = True
+    model.pre_transformer, encoder.get_encoder_reference_points = recording_pre_transformer, reference_points
+    return True
+
+
 def merge_param_groups(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """A new optimizer of the same class and defaults whose groups are `optimizer`'s merged by
     equal settings, in order of first appearance. Call it before the first step (no state yet)."""
@@ -298,8 +360,9 @@ def mark_cuda_graph_steps(model: torch.nn.Module) -> None:
 @HOOKS.register_module()
 class FastPathCompileHook(Hook):
     """Compiles the model's transformer layers (scope 'network': also its backbone and neck) before
-    the first train, val or test iteration, and guards a two-stage model's proposal selection from
-    the bucket padding (`guard_two_stage_selection`)."""
+    the first train, val or test iteration, gives its encoder reference points from host shapes
+    (`host_shaped_encoder_reference_points`) and guards a two-stage model's proposal selection
+    from the bucket padding (`guard_two_stage_selection`)."""
 
     priority = "VERY_LOW"
 
@@ -315,6 +378,7 @@ class FastPathCompileHook(Hook):
         if self.compiled:
             return
         self.compiled = compile_fast_path_modules(runner.model, self.mode, self.scope, **self.compile_kwargs)
+        host_shaped_encoder_reference_points(runner.model)
         guarded = guard_two_stage_selection(runner.model)
         print_log(
             f"compiled {len(self.compiled)} modules (torch.compile mode={self.mode!r}, scope={self.scope!r})"

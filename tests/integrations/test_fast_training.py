@@ -234,6 +234,7 @@ def test_compile_hook_guards_a_two_stage_model_and_compiles_its_decoder_whole():
     hook = fast_training.FastPathCompileHook(backend="aot_eager")
     hook.before_run(SimpleNamespace(model=model))
     assert model.pre_decoder._guards_two_stage_selection
+    assert model.encoder.get_encoder_reference_points._uses_host_shapes
     assert hook.compiled == ["backbone", "neck", "decoder", *[f"encoder.layers.{i}" for i in range(6)]]
 
 
@@ -242,6 +243,60 @@ def test_two_stage_guard_leaves_a_one_stage_model_alone():
     pre_decoder = model.pre_decoder
     assert not fast_training.guard_two_stage_selection(model)
     assert model.pre_decoder == pre_decoder
+
+
+def scalar_reads(function, *args) -> int:
+    """How many device-to-host scalar reads (.item() and friends) `function(*args)` makes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        function(*args)
+    return sum(e.name == "aten::_local_scalar_dense" for e in prof.events())
+
+
+def test_host_shaped_encoder_reference_points_equal_mmdet_s_without_scalar_reads():
+    from mmdet.models.layers.transformer import DeformableDetrTransformerEncoder
+    from mmdet.structures import DetDataSample
+
+    model = dino_model()
+    mmdet_points = DeformableDetrTransformerEncoder.get_encoder_reference_points
+    levels = [(40, 38), (20, 19), (10, 10), (5, 5)]
+    samples = [DetDataSample(metainfo=dict(batch_input_shape=(320, 304), img_shape=s)) for s in [(320, 288), (230, 304)]]
+    feats = [torch.randn(2, 256, h, w) for h, w in levels]
+    encoder_inputs, _ = model.pre_transformer(feats, samples)
+    shapes, ratios = encoder_inputs["spatial_shapes"], encoder_inputs["valid_ratios"]
+    assert ratios.min() < 1  # padded images: the valid ratios take part
+    expected = mmdet_points(shapes, ratios, "cpu")
+    assert scalar_reads(mmdet_points, shapes, ratios, "cpu") == 4 * len(levels)  # each level's H and W, twice
+
+    assert fast_training.host_shaped_encoder_reference_points(model)
+    assert fast_training.host_shaped_encoder_reference_points(model)  # once only
+    encoder = model.encoder
+    model.pre_transformer(feats, samples)  # records the level shapes
+    assert scalar_reads(encoder.get_encoder_reference_points, shapes, ratios, "cpu") == 0
+    model.pre_transformer(feats, samples)
+    torch.testing.assert_close(encoder.get_encoder_reference_points(shapes, ratios, "cpu"), expected, rtol=0, atol=0)
+    # taken once: the encoder run on its own, with no recorded shapes, takes mmdet's path
+    assert scalar_reads(encoder.get_encoder_reference_points, shapes, ratios, "cpu") == 4 * len(levels)
+    torch.testing.assert_close(encoder.get_encoder_reference_points(shapes, ratios, "cpu"), expected, rtol=0, atol=0)
+
+
+def test_host_shaped_reference_points_train_as_eager_and_leave_other_models_alone(monkeypatch):
+    from mmdet.models.layers.transformer import DeformableDetrTransformerEncoder
+
+    mmdet_points, mmdet_calls = DeformableDetrTransformerEncoder.get_encoder_reference_points, []
+
+    def counted(*args, **kwargs):
+        mmdet_calls.append(1)
+        return mmdet_points(*args, **kwargs)
+
+    monkeypatch.setattr(DeformableDetrTransformerEncoder, "get_encoder_reference_points", staticmethod(counted))
+    eager = tiny_training_losses(2)
+    assert len(mmdet_calls) == 2
+    patched = tiny_training_losses(2, patch=fast_training.host_shaped_encoder_reference_points)
+    assert len(mmdet_calls) == 2  # the patched model never took mmdet's path
+    assert patched == eager  # bitwise: the same float32 operations
+    assert not fast_training.host_shaped_encoder_reference_points(torch.nn.Linear(2, 2))
 
 
 def tiny_model(backend="pytorch"):
@@ -279,11 +334,11 @@ def test_compile_fast_path_modules_refuses_a_model_without_them():
 
 
 def tiny_training_losses(
-    steps: int, dropout: bool = True, sizes=((128, 128),), graphs=None, config=TINY, **compile_kwargs
+    steps: int, dropout: bool = True, sizes=((128, 128),), graphs=None, config=TINY, patch=None, **compile_kwargs
 ) -> list[float]:
     """Losses of `steps` training steps of the tiny model (or `config`'s, reference backend), step i
     on images of sizes[i % len(sizes)]; compiled when given compile arguments, and then `graphs` (a
-    list) gets the number of graphs compiled so far after each step."""
+    list) gets the number of graphs compiled so far after each step; `patch(model)` first if given."""
     from benchmark_e2e import build_model, make_optim_wrapper
     from mmdet_models import switch_off_dropout
     from synthetic_batches import synthetic_batch
@@ -292,6 +347,8 @@ def tiny_training_losses(
     model, cfg = build_model(config, "pytorch", torch.device("cpu"), seed=0)
     if not dropout:
         switch_off_dropout(model)
+    if patch is not None:
+        patch(model)
     if compile_kwargs:
         torch._dynamo.reset()
         counters.clear()
