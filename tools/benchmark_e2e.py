@@ -108,6 +108,15 @@ def build_model(config_path: str, backend: str, device: torch.device, seed: int,
     return model, cfg
 
 
+def as_loaded(batch: dict, cfg, device: torch.device) -> dict:
+    """`batch` as the config's training data loader hands it over: on a GPU, its images in pinned
+    memory when the loader pins (the fast path's does; torch's pinning reaches the tensors, not
+    mmdet's data samples)."""
+    if device.type != "cuda" or not cfg.get("train_dataloader", {}).get("pin_memory", False):
+        return batch
+    return {**batch, "inputs": [image.pin_memory() for image in batch["inputs"]]}
+
+
 def make_optim_wrapper(model, cfg, precision: str):
     from mmengine.optim import build_optim_wrapper
 
@@ -369,7 +378,7 @@ def run_one(
     model, cfg = build_model(args.config, backend, device, args.seed, fast_options if fast else None)
     sizes = args.image_sizes
     batches = [
-        batch_for_config(cfg, args.batch, *sizes[i % len(sizes)], device, args.seed + i)
+        as_loaded(batch_for_config(cfg, args.batch, *sizes[i % len(sizes)], device, args.seed + i), cfg, device)
         for i in range(max(args.parity_steps, len(sizes)))
     ]
     optim_wrapper = make_optim_wrapper(model, cfg, precision)

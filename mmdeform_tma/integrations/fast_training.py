@@ -396,9 +396,10 @@ def fast_training_config(
     """`cfg` (an mmengine Config) switched to the fast path, in place; returns it.
 
     Adds the compile hook, the fused optimizer with merged parameter groups (unless the config
-    names a constructor of its own) and, unless the model pads to a fixed size already
-    (Mask2Former's large-scale jitter), bucket padding. Raises for an optimizer without a fused
-    kernel rather than quietly leaving it unfused."""
+    names a constructor of its own), batches copied to the GPU without a host wait (pinned by the
+    data loaders, copied `non_blocking` by the data preprocessor) and, unless the model pads to a
+    fixed size already (Mask2Former's large-scale jitter), bucket padding. Raises for an optimizer
+    without a fused kernel rather than quietly leaving it unfused."""
     check_choice("mode", compile_mode, COMPILE_MODES)
     check_choice("scope", compile_scope, COMPILE_SCOPES)
     imports = cfg.get("custom_imports", None) or dict(imports=[], allow_failed_imports=False)
@@ -424,8 +425,16 @@ def fast_training_config(
     if cfg.optim_wrapper.get("constructor", "DefaultOptimWrapperConstructor") == "DefaultOptimWrapperConstructor":
         cfg.optim_wrapper.constructor = "MergedParamGroupsConstructor"  # a custom one is left alone
 
+    # mmengine's preprocessor copies each image and each sample's boxes and labels to the GPU with
+    # a host wait per copy (8 per Deformable DETR bs 2 iteration, 32 at bs 8; H100, 2026-11-23).
+    # Non-blocking, a copy from pinned memory queues behind the GPU's work; one from pageable
+    # memory (the samples' boxes) is staged by the driver before the call returns.
+    for loader in ("train_dataloader", "val_dataloader", "test_dataloader"):
+        if cfg.get(loader, None) is not None:
+            cfg[loader].pin_memory = True
     preprocessor = cfg.model.get("data_preprocessor", None)
     if preprocessor is not None:
+        preprocessor.non_blocking = True
         augments = list(preprocessor.get("batch_augments", None) or [])
         if not any(a.get("type") in ("BatchFixedSizePad", "BatchBucketPad") for a in augments):
             # no masks to pad: the DETR detectors have none, Mask2Former pads to a fixed size already

@@ -36,6 +36,8 @@ def test_fast_config_adds_compile_hook_fused_optimizer_and_buckets():
     assert cfg.optim_wrapper.optimizer.type == "AdamW" and cfg.optim_wrapper.optimizer.fused is True
     assert cfg.optim_wrapper.constructor == "MergedParamGroupsConstructor"
     assert dict(type="BatchBucketPad", step=64) in cfg.model.data_preprocessor.batch_augments
+    assert cfg.model.data_preprocessor.non_blocking is True
+    assert cfg.train_dataloader.pin_memory and cfg.val_dataloader.pin_memory and cfg.test_dataloader.pin_memory
 
 
 def test_fast_config_leaves_a_custom_constructor_alone():

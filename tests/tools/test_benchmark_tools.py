@@ -241,6 +241,24 @@ def test_phase_table_shows_the_wait_in_synchronisations_beside_launches_and_sync
     assert benchmark_e2e.phase_cell({"host_ms": 3.5, "launches": 3, "syncs": 0}) == "3.5 (3 / 0)"
 
 
+def test_batches_are_pinned_as_the_config_s_loader_pins_them_on_a_gpu(monkeypatch):
+    from mmengine.config import Config
+
+    import benchmark_e2e
+
+    batch = {"inputs": [torch.zeros(3, 4, 4, dtype=torch.uint8)], "data_samples": ["sample"]}
+    pinning = Config(dict(train_dataloader=dict(pin_memory=True)))
+    plain = Config(dict(train_dataloader=dict(batch_size=2)))
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    assert benchmark_e2e.as_loaded(batch, pinning, cpu) is batch  # nothing to pin for on the CPU
+    assert benchmark_e2e.as_loaded(batch, plain, gpu) is batch  # stock configs do not pin
+    pinned = []
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: pinned.append(self) or self.clone())
+    loaded = benchmark_e2e.as_loaded(batch, pinning, gpu)
+    assert pinned == batch["inputs"] and loaded["data_samples"] is batch["data_samples"]
+    assert loaded["inputs"][0] is not batch["inputs"][0] and torch.equal(loaded["inputs"][0], batch["inputs"][0])
+
+
 def trace(name, start, duration, on_device=False):
     import benchmark_e2e
 
