@@ -426,7 +426,8 @@ def fast_training_config(
         cfg.optim_wrapper.constructor = "MergedParamGroupsConstructor"  # a custom one is left alone
 
     # mmengine's preprocessor copies each image and each sample's boxes and labels to the GPU with
-    # a host wait per copy (8 per Deformable DETR bs 2 iteration, 32 at bs 8; H100, 2026-11-23).
+    # a host wait per copy (its phase had 8 host waits per Deformable DETR bs 2 iteration, 32 at
+    # bs 8, four per image; H100, 2026-11-23).
     # Non-blocking, a copy from pinned memory queues behind the GPU's work; one from pageable
     # memory (the samples' boxes) is staged by the driver before the call returns.
     for loader in ("train_dataloader", "val_dataloader", "test_dataloader"):
