@@ -27,7 +27,7 @@ launched the next ones (docs/benchmarks.md). This path cuts host work with exist
   and 246 ms stock (docs/benchmarks.md, session 6).
 - the encoder's reference points from the feature maps' shapes, which the host knows, not from
   the device tensor of level shapes that mmdet reads back level by level
-  (`host_shaped_encoder_reference_points`): 16 fewer host syncs per iteration with four levels.
+  (`host_shaped_encoder_reference_points`): 16 fewer scalar reads per forward with four levels.
 - the optimizer's fused CUDA kernel (`fused=True`, torch's Adam/AdamW/SGD), which also lets AMP's
   GradScaler skip its per-step `found_inf.item()` synchronisation.
 - `MergedParamGroupsConstructor`: mmengine's default constructor with `paramwise_cfg` (every
@@ -214,9 +214,9 @@ def host_shaped_encoder_reference_points(model: torch.nn.Module) -> bool:
     `model` has such an encoder.
 
     mmdet builds them level by level from the level shapes in a device tensor: `linspace` needs
-    each height and width on the host, four reads of device memory per level, each a wait for the
-    GPU (H100, 2026-11-23: 16 of the 20 syncs per iteration in Deformable DETR's fast
-    transformer phase). The sizes are the feature maps' shapes, which the host knows: the
+    each height and width on the host, four reads of device memory per level (16 with four levels,
+    counted on the CPU), each a wait for the GPU; an H100 profile (2026-11-23, commit 1503b8e) had
+    20 host syncs per iteration in Deformable DETR's fast transformer phase. The sizes are the feature maps' shapes, which the host knows: the
     detector's `pre_transformer` records them, and the encoder builds the same points from them, a
     cached cell grid divided by the valid ratios, the same float32 operations, no host read
     (bitwise equal, CPU test). A call without a recorded shape (the encoder run on its own) takes
