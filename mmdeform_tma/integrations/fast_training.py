@@ -216,7 +216,8 @@ def host_shaped_encoder_reference_points(model: torch.nn.Module) -> bool:
     mmdet builds them level by level from the level shapes in a device tensor: `linspace` needs
     each height and width on the host, four reads of device memory per level (16 with four levels,
     counted on the CPU), each a wait for the GPU; an H100 profile (2026-11-23, commit 1503b8e) had
-    20 host syncs per iteration in Deformable DETR's fast transformer phase. The sizes are the feature maps' shapes, which the host knows: the
+    20 host syncs per iteration in Deformable DETR's fast transformer phase, 4 without them (commit
+    0d33360). The sizes are the feature maps' shapes, which the host knows: the
     detector's `pre_transformer` records them, and the encoder builds the same points from them, a
     cached cell grid divided by the valid ratios, the same float32 operations, no host read
     (bitwise equal, CPU test). A call without a recorded shape (the encoder run on its own) takes
@@ -426,10 +427,10 @@ def fast_training_config(
         cfg.optim_wrapper.constructor = "MergedParamGroupsConstructor"  # a custom one is left alone
 
     # mmengine's preprocessor copies each image and each sample's boxes and labels to the GPU with
-    # a host wait per copy (its phase had 8 host waits per Deformable DETR bs 2 iteration, 32 at
-    # bs 8, four per image; H100, 2026-11-23).
-    # Non-blocking, a copy from pinned memory queues behind the GPU's work; one from pageable
-    # memory (the samples' boxes) is staged by the driver before the call returns.
+    # a host wait per copy. Non-blocking, a copy from pinned memory queues behind the GPU's work;
+    # one from pageable memory (the samples' boxes) is staged by the driver before the call returns.
+    # H100, 2026-11-23: 8 -> 2 host waits per Deformable DETR bs 2 iteration, 32 -> 8 at bs 8; the
+    # one per image left is most likely mmengine's BGR->RGB list index, copied blocking.
     for loader in ("train_dataloader", "val_dataloader", "test_dataloader"):
         if cfg.get(loader, None) is not None:
             cfg[loader].pin_memory = True
