@@ -18,7 +18,8 @@ steps from the same seed and batches, compared with mmcv's. Inputs are synthetic
 boxes on random images) pushed through the model's own data preprocessor. Writes JSON, Markdown
 and a PNG chart. `--fast-backends` adds rows on the fast training path (tools/train.py --fast), one
 per `--compile-mode` and `--compile-scope` given; `--repeats` runs every variant that many times,
-the rounds interleaved, and reports the spread.
+the rounds interleaved, and reports the spread. Fast rows freeze the heap after their warm-up as the
+fast path's hook does (`gc.freeze`; `--no-gc-freeze` leaves it), and unfreeze it when done.
 
 What bounds a training iteration, from a torch.profiler trace of a few iterations (CPU and CUDA
 activity; each iteration in a record_function range): the GPU kernel time (sum of kernel
@@ -39,6 +40,7 @@ import argparse
 import bisect
 import contextlib
 import copy
+import gc
 import itertools
 import re
 import statistics
@@ -391,6 +393,10 @@ def run_one(
     train_step = training_step(model, optim_wrapper, rotation)
     for _ in range(args.warmup * len(sizes)):  # each size: compiled, then graphed, then warm
         train_step()
+    if fast is not None and args.gc_freeze:
+        from mmdeform_tma.integrations import fast_training
+
+        fast_training.freeze_long_lived_objects()  # as the fast path's hook does once warm; main unfreezes
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     with bench_common.GcMeter() as gc_meter:
@@ -553,6 +559,12 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=None)
     p.add_argument("--parity-steps", type=int, default=None)
     p.add_argument("--profile-iters", type=int, default=3, help="profiled iterations for the per-iteration breakdown")
+    p.add_argument(
+        "--no-gc-freeze",
+        dest="gc_freeze",
+        action="store_false",
+        help="fast rows: leave the heap unfrozen after warm-up (the fast path freezes it: gc.freeze)",
+    )
     p.add_argument("--repeats", type=int, default=1, help="rounds of all runs, interleaved; the table gives the spread")
     p.add_argument(
         "--paired", type=int, default=0, metavar="ROUNDS",
@@ -599,7 +611,7 @@ def main(argv=None) -> int:
     env.update(
         config=args.config, batch=args.batch, image_size=",".join(f"{h}x{w}" for h, w in args.image_sizes),
         compile_mode=args.compile_mode, compile_scope=args.compile_scope, compile_shapes=args.compile_shapes,
-        repeats=args.repeats, paired_rounds=args.paired,
+        repeats=args.repeats, paired_rounds=args.paired, fast_rows_gc_frozen=args.gc_freeze,
     )
     if args.paired:
         results = []
@@ -629,6 +641,7 @@ def main(argv=None) -> int:
             message = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
             print(f"e2e: {backend} {precision} fast={fast} failed:\n{traceback.format_exc()}", file=sys.stderr)
             results.append(Result(backend, precision, fast is not None, repeat, *(fast or ()), error=message))
+        gc.unfreeze()  # the next variant starts from an unfrozen heap, and this one's garbage is collectable
         if fast is not None:
             torch._dynamo.reset()  # also CUDA-graph trees: global state the next variant must not inherit
         if device.type == "cuda":
@@ -807,7 +820,12 @@ def write_outputs(prefix: Path, env: dict, results: list[Result]) -> None:
                 "reduce-overhead (graph replays allocate nothing, so 'peak MB' misses them). 'p90' is the 90th "
                 "percentile of the timed iterations, 'GC ms' the host time Python's cyclic garbage collector took "
                 "per timed iteration (un-profiled): every iteration does the same work, so a p90 far above the "
-                "median is a stall in some of them.",
+                "median is a stall in some of them. "
+                + (
+                    "Fast rows froze the heap (gc.freeze) after their warm-up, as the fast path does."
+                    if env.get("fast_rows_gc_frozen", False)
+                    else "Fast rows left the heap unfrozen (--no-gc-freeze)."
+                ),
                 "",
                 bench_common.markdown_table(header, rows),
                 *paired_section(paired),

@@ -70,12 +70,20 @@ def add_fast_args(parser) -> None:
         "decoder per layer; layers = the transformer layers only)",
     )
     parser.add_argument("--bucket-step", type=int, default=None, help="with --fast: pad images to multiples of this")
+    parser.add_argument(
+        "--gc-freeze-after",
+        type=int,
+        default=None,
+        help="with --fast: freeze the heap (gc.freeze) after this many training iterations, so that Python's "
+        "full collections stop walking the model and the compiled graphs (default 20; 0 = never)",
+    )
 
 
 def apply_fast_args(cfg: Config, args) -> None:
     if not args.fast:
-        if args.compile_mode is not None or args.compile_scope is not None or args.bucket_step is not None:
-            raise SystemExit("--compile-mode, --compile-scope and --bucket-step go with --fast")
+        fast_only = (args.compile_mode, args.compile_scope, args.bucket_step, getattr(args, "gc_freeze_after", None))
+        if any(value is not None for value in fast_only):
+            raise SystemExit("--compile-mode, --compile-scope, --bucket-step and --gc-freeze-after go with --fast")
         return
     from mmdeform_tma.integrations import fast_training
 
@@ -84,4 +92,15 @@ def apply_fast_args(cfg: Config, args) -> None:
         compile_mode=args.compile_mode or fast_training.DEFAULT_COMPILE_MODE,
         compile_scope=args.compile_scope or fast_training.DEFAULT_COMPILE_SCOPE,
         bucket_step=args.bucket_step or fast_training.DEFAULT_BUCKET_STEP,
+        gc_freeze_after=gc_freeze_after(args, fast_training.DEFAULT_GC_FREEZE_AFTER),
     )
+
+
+def gc_freeze_after(args, default: int) -> int | None:
+    """--gc-freeze-after as `fast_training_config` takes it: 0 means never (None)."""
+    value = getattr(args, "gc_freeze_after", None)
+    if value is None:
+        return default
+    if value < 0:
+        raise SystemExit(f"--gc-freeze-after must be 0 (never) or a positive number of iterations, got {value}")
+    return value or None

@@ -53,6 +53,7 @@ and mmengine's logging of every loss value.
 from __future__ import annotations
 
 import functools
+import gc
 import inspect
 import math
 
@@ -80,6 +81,9 @@ COMPILE_SCOPES = ("layers", "network", "network+decoder")
 DEFAULT_COMPILE_SCOPE = "network+decoder"
 NETWORK_PARTS = ("backbone", "neck")
 DEFAULT_BUCKET_STEP = 128
+# Training iterations before the fast path freezes the heap (`freeze_long_lived_objects`): by then the
+# modules are compiled, their CUDA graphs recorded and the first buckets met.
+DEFAULT_GC_FREEZE_AFTER = 20
 UNBUCKETED_SHAPE = "batch_shape_before_bucket_pad"  # metainfo key BatchBucketPad adds
 FUSED_OPTIMIZERS = ("Adam", "AdamW", "SGD")
 # compiled graphs kept per module class: train and eval, static and dynamic, and any specialisations
@@ -358,22 +362,44 @@ def mark_cuda_graph_steps(model: torch.nn.Module) -> None:
         setattr(model, name, marked)
 
 
+def freeze_long_lived_objects() -> int:
+    """Collect once, then move every object Python's collector tracks into its permanent generation
+    (`gc.freeze`); returns how many are frozen. A full collection walks every tracked object, 0.35-0.65
+    s in a training process (perf_notes.md, session 11); frozen, the model, the optimizer and the
+    compiled graphs are out of its walk. The price: a cycle among them that becomes garbage later is
+    never collected, so freeze only what lives for the whole run."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
+
+
 @HOOKS.register_module()
 class FastPathCompileHook(Hook):
     """Compiles the model's transformer layers (scope 'network': also its backbone and neck) before
     the first train, val or test iteration, gives its encoder reference points from host shapes
     (`host_shaped_encoder_reference_points`) and guards a two-stage model's proposal selection
-    from the bucket padding (`guard_two_stage_selection`)."""
+    from the bucket padding (`guard_two_stage_selection`). After `gc_freeze_after` training
+    iterations of this run (None: never) it freezes the heap (`freeze_long_lived_objects`)."""
 
     priority = "VERY_LOW"
 
-    def __init__(self, mode: str = DEFAULT_COMPILE_MODE, scope: str = DEFAULT_COMPILE_SCOPE, **compile_kwargs) -> None:
+    def __init__(
+        self,
+        mode: str = DEFAULT_COMPILE_MODE,
+        scope: str = DEFAULT_COMPILE_SCOPE,
+        gc_freeze_after: int | None = DEFAULT_GC_FREEZE_AFTER,
+        **compile_kwargs,
+    ) -> None:
         check_choice("mode", mode, COMPILE_MODES)
         check_choice("scope", scope, COMPILE_SCOPES)
+        check_gc_freeze_after(gc_freeze_after)
         self.mode = mode
         self.scope = scope
+        self.gc_freeze_after = gc_freeze_after
         self.compile_kwargs = compile_kwargs
         self.compiled: list[str] = []
+        self.train_iters_seen = 0  # of this run: a resumed run compiles and records its graphs again
+        self.frozen_objects: int | None = None
 
     def before_run(self, runner) -> None:
         if self.compiled:
@@ -387,22 +413,40 @@ class FastPathCompileHook(Hook):
             logger="current",
         )
 
+    def after_train_iter(self, runner, batch_idx: int, data_batch=None, outputs=None) -> None:
+        self.train_iters_seen += 1
+        due = self.gc_freeze_after is not None and self.train_iters_seen >= self.gc_freeze_after
+        if due and self.frozen_objects is None:
+            self.frozen_objects = freeze_long_lived_objects()
+            print_log(
+                f"froze {self.frozen_objects} long-lived objects after {self.train_iters_seen} iterations (gc.freeze)",
+                logger="current",
+            )
+
+
+def check_gc_freeze_after(value) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"gc_freeze_after must be a positive number of iterations or None, got {value!r}")
+
 
 def fast_training_config(
     cfg,
     compile_mode: str = DEFAULT_COMPILE_MODE,
     bucket_step: int = DEFAULT_BUCKET_STEP,
     compile_scope: str = DEFAULT_COMPILE_SCOPE,
+    gc_freeze_after: int | None = DEFAULT_GC_FREEZE_AFTER,
 ):
     """`cfg` (an mmengine Config) switched to the fast path, in place; returns it.
 
-    Adds the compile hook, the fused optimizer with merged parameter groups (unless the config
+    Adds the compile hook (which also freezes the heap after `gc_freeze_after` training iterations;
+    None: never), the fused optimizer with merged parameter groups (unless the config
     names a constructor of its own), batches copied to the GPU without a host wait (pinned by the
     data loaders, copied `non_blocking` by the data preprocessor) and, unless the model pads to a
     fixed size already (Mask2Former's large-scale jitter), bucket padding. Raises for an optimizer
     without a fused kernel rather than quietly leaving it unfused."""
     check_choice("mode", compile_mode, COMPILE_MODES)
     check_choice("scope", compile_scope, COMPILE_SCOPES)
+    check_gc_freeze_after(gc_freeze_after)
     imports = cfg.get("custom_imports", None) or dict(imports=[], allow_failed_imports=False)
     names = list(imports.get("imports", []))
     for name in ("mmdeform_tma", THIS_MODULE):
@@ -412,7 +456,9 @@ def fast_training_config(
     cfg.custom_imports = imports
 
     hooks = [h for h in cfg.get("custom_hooks", None) or [] if h.get("type") != "FastPathCompileHook"]
-    hooks.append(dict(type="FastPathCompileHook", mode=compile_mode, scope=compile_scope))
+    hooks.append(
+        dict(type="FastPathCompileHook", mode=compile_mode, scope=compile_scope, gc_freeze_after=gc_freeze_after)
+    )
     cfg.custom_hooks = hooks
 
     optimizer = cfg.optim_wrapper.optimizer

@@ -4,7 +4,9 @@ layers are traced with 'aot_eager' here (inductor's CPU code generation is minut
 GPU tests run inductor and CUDA graphs."""
 
 import copy
+import gc
 import sys
+import weakref
 from argparse import Namespace
 from pathlib import Path
 
@@ -31,7 +33,7 @@ def test_fast_config_adds_compile_hook_fused_optimizer_and_buckets():
     assert "mmdeform_tma.integrations.fast_training" in cfg.custom_imports["imports"]
     assert "mmdeform_tma" in cfg.custom_imports["imports"]
     assert [h for h in cfg.custom_hooks if h["type"] == "FastPathCompileHook"] == [
-        dict(type="FastPathCompileHook", mode="reduce-overhead", scope="network")
+        dict(type="FastPathCompileHook", mode="reduce-overhead", scope="network", gc_freeze_after=20)
     ]
     assert cfg.optim_wrapper.optimizer.type == "AdamW" and cfg.optim_wrapper.optimizer.fused is True
     assert cfg.optim_wrapper.constructor == "MergedParamGroupsConstructor"
@@ -440,13 +442,83 @@ def test_train_tool_fast_options():
 
     args = train.parse_args([DETR, "--fast", "--compile-mode", "reduce-overhead", "--compile-scope", "network", "--bucket-step", "256"])
     cfg = train.build_config(args)
-    assert cfg.custom_hooks[-1] == dict(type="FastPathCompileHook", mode="reduce-overhead", scope="network")
+    assert cfg.custom_hooks[-1] == dict(
+        type="FastPathCompileHook", mode="reduce-overhead", scope="network", gc_freeze_after=20
+    )
     assert cfg.model.data_preprocessor.batch_augments[-1] == dict(type="BatchBucketPad", step=256)
     plain = train.build_config(train.parse_args([DETR]))
     assert "FastPathCompileHook" not in str(plain.get("custom_hooks", []))
     for flag, value in (("--compile-mode", "default"), ("--compile-scope", "layers")):
         with pytest.raises(SystemExit):
             train.build_config(train.parse_args([DETR, flag, value]))
+
+
+def test_train_tool_gc_freeze_option():
+    import train
+
+    def hook(argv):
+        return train.build_config(train.parse_args([DETR, *argv])).custom_hooks[-1]
+
+    assert hook(["--fast"])["gc_freeze_after"] == fast_training.DEFAULT_GC_FREEZE_AFTER
+    assert hook(["--fast", "--gc-freeze-after", "5"])["gc_freeze_after"] == 5
+    assert hook(["--fast", "--gc-freeze-after", "0"])["gc_freeze_after"] is None  # 0: never
+    for argv in (["--gc-freeze-after", "5"], ["--fast", "--gc-freeze-after", "-1"]):
+        with pytest.raises(SystemExit):
+            train.build_config(train.parse_args([DETR, *argv]))
+
+
+@pytest.fixture
+def unfrozen_heap():
+    """Tests that freeze the heap leave it as they found it: unfrozen."""
+    gc.unfreeze()
+    yield
+    gc.unfreeze()
+
+
+class _Node:
+    pass
+
+
+def test_freezing_keeps_later_garbage_collectable(unfrozen_heap):
+    frozen = fast_training.freeze_long_lived_objects()
+    assert frozen == gc.get_freeze_count() > 0
+    node = _Node()
+    node.self = node  # a cycle made after the freeze: only a collection frees it
+    ref = weakref.ref(node)
+    del node
+    gc.collect()
+    assert ref() is None
+
+
+def test_compile_hook_freezes_the_heap_once_after_its_warm_up(unfrozen_heap, monkeypatch):
+    calls = []
+    real = fast_training.freeze_long_lived_objects
+    monkeypatch.setattr(fast_training, "freeze_long_lived_objects", lambda: calls.append(1) or real())
+    hook = fast_training.FastPathCompileHook(gc_freeze_after=3)
+    runner = object()
+    for _ in range(2):
+        hook.after_train_iter(runner, batch_idx=0)
+    assert calls == [] and hook.frozen_objects is None and gc.get_freeze_count() == 0
+    hook.after_train_iter(runner, batch_idx=0)
+    assert calls == [1] and hook.frozen_objects == gc.get_freeze_count() > 0
+    for _ in range(5):
+        hook.after_train_iter(runner, batch_idx=0)
+    assert calls == [1]  # once: later objects stay collectable
+
+
+def test_compile_hook_without_gc_freeze_never_freezes(unfrozen_heap):
+    hook = fast_training.FastPathCompileHook(gc_freeze_after=None)
+    for _ in range(30):
+        hook.after_train_iter(object(), batch_idx=0)
+    assert hook.frozen_objects is None and gc.get_freeze_count() == 0
+
+
+@pytest.mark.parametrize("value", [0, -1, 2.5, True, "20"])
+def test_gc_freeze_after_must_be_a_positive_count_or_none(value):
+    with pytest.raises(ValueError, match="gc_freeze_after"):
+        fast_training.FastPathCompileHook(gc_freeze_after=value)
+    with pytest.raises(ValueError, match="gc_freeze_after"):
+        fast_training.fast_training_config(Config.fromfile(DETR), gc_freeze_after=value)
 
 
 def test_compile_hook_in_a_runner(tmp_path):
@@ -482,7 +554,7 @@ def test_apply_fast_args_without_fast_is_a_no_op():
 
     cfg = Config.fromfile(DETR)
     before = cfg.to_dict()
-    apply_fast_args(cfg, Namespace(fast=False, compile_mode=None, compile_scope=None, bucket_step=None))
+    apply_fast_args(cfg, Namespace(fast=False, compile_mode=None, compile_scope=None, bucket_step=None, gc_freeze_after=None))
     assert cfg.to_dict() == before
 
 

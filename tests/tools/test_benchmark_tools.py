@@ -112,6 +112,44 @@ def test_benchmark_e2e_fast_rows_and_interleaved_repeats(tmp_path):
     assert "| pytorch+fast[layers] | fp32 |" in markdown
 
 
+@pytest.mark.parametrize("freeze", [True, False])
+def test_benchmark_e2e_fast_rows_freeze_the_heap_after_warm_up_and_unfreeze_it(tmp_path, monkeypatch, freeze):
+    pytest.importorskip("mmdet")
+    import gc
+
+    import benchmark_e2e
+
+    from mmdeform_tma.integrations import fast_training
+
+    frozen_during_timing = []
+    real_time_loop = benchmark_e2e.time_loop
+
+    def time_loop(*args, **kwargs):
+        frozen_during_timing.append(gc.get_freeze_count() > 0)
+        return real_time_loop(*args, **kwargs)
+
+    monkeypatch.setattr(benchmark_e2e, "time_loop", time_loop)
+    calls = []
+    real_freeze = fast_training.freeze_long_lived_objects
+    monkeypatch.setattr(fast_training, "freeze_long_lived_objects", lambda: calls.append(1) or real_freeze())
+    gc.unfreeze()
+    argv = [
+        "--device", "cpu", "--backends", "stock", "--fast-backends", "pytorch", "--compile-backend", "aot_eager",
+        "--compile-scope", "layers", "--iters", "1", "--out", str(tmp_path / "e2e"),
+    ] + ([] if freeze else ["--no-gc-freeze"])
+    try:
+        assert benchmark_e2e.main(argv) == 0
+        assert gc.get_freeze_count() == 0  # unfrozen for whatever runs next
+    finally:
+        gc.unfreeze()
+    # time_loop times training, then inference, per row: stock's never frozen, the fast row's when asked
+    assert frozen_during_timing == [False, False, freeze, freeze]
+    assert calls == ([1] if freeze else [])
+    data = json.loads((tmp_path / "e2e.json").read_text())
+    assert data["environment"]["fast_rows_gc_frozen"] is freeze
+    assert all(r["error"] is None for r in data["results"])
+
+
 def test_benchmark_e2e_static_shapes_rows_compile_with_dynamic_false(tmp_path, monkeypatch):
     pytest.importorskip("mmdet")
     import benchmark_e2e
@@ -242,9 +280,8 @@ def test_phase_table_shows_the_wait_in_synchronisations_beside_launches_and_sync
 
 
 def test_batches_are_pinned_as_the_config_s_loader_pins_them_on_a_gpu(monkeypatch):
-    from mmengine.config import Config
-
     import benchmark_e2e
+    from mmengine.config import Config
 
     batch = {"inputs": [torch.zeros(3, 4, 4, dtype=torch.uint8)], "data_samples": ["sample"]}
     pinning = Config(dict(train_dataloader=dict(pin_memory=True)))
