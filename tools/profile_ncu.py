@@ -30,6 +30,9 @@ METRICS = {
     "lts__t_sector_hit_rate.pct": "L2 hit %",
     "l1tex__t_sector_hit_rate.pct": "L1 hit %",
     "lts__throughput.avg.pct_of_peak_sustained_elapsed": "L2 thru %",
+    "l1tex__throughput.avg.pct_of_peak_sustained_active": "L1 thru %",
+    "l1tex__data_pipe_lsu_wavefronts.sum": "L1 wavefronts",
+    "sm__inst_executed.sum": "warp instructions",
     "sm__warps_active.avg.pct_of_peak_sustained_active": "occupancy %",
     "sm__inst_executed.avg.per_cycle_active": "IPC",
 }
