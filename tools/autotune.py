@@ -102,6 +102,17 @@ def presets_to_tune(presets: list[str] | None, layouts: bool) -> list[str]:
     return chosen + [name for name in LAYOUT_PRESETS if layouts and name not in chosen]
 
 
+def save(table: dict, entries: dict, table_path: Path, report_path: Path, env: dict, report: list) -> None:
+    """Merge the measured entries into the table and write it, with the report of every config."""
+    table["capability"] = list(torch.cuda.get_device_capability())
+    table["entries"] = sorted(entries.values(), key=lambda e: (e["key"], e["backend"], e["direction"]))
+    table["updated"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    table["commit"] = env["commit"]
+    table_path.parent.mkdir(parents=True, exist_ok=True)
+    table_path.write_text(json.dumps(table, indent=1) + "\n")
+    bench_common.write_json(report_path, {"environment": env, "runs": report})
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--presets", nargs="*", choices=list(PRESETS), default=None, help="default: the DETR / DINO presets")
@@ -171,14 +182,10 @@ def main(argv=None) -> int:
                         f"{sum('rejected' in r for r in results)} rejected of {len(results)}"
                     )
                     report.append({"preset": preset, "dtype": str(dtype), "backend": backend, "direction": direction, "key": key, "results": results})
+            # after every shape and dtype, so that a run cut short keeps what it measured
+            save(table, entries, table_path, args.report, env, report)
 
-    table["capability"] = list(torch.cuda.get_device_capability(device))
-    table["entries"] = sorted(entries.values(), key=lambda e: (e["key"], e["backend"], e["direction"]))
-    table["updated"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    table["commit"] = env["commit"]
-    table_path.parent.mkdir(parents=True, exist_ok=True)
-    table_path.write_text(json.dumps(table, indent=1) + "\n")
-    bench_common.write_json(args.report, {"environment": env, "runs": report})
+    save(table, entries, table_path, args.report, env, report)
     print(f"wrote {table_path} ({len(table['entries'])} entries) and {args.report}")
     return 0
 

@@ -32,6 +32,8 @@ METRICS = {
     "lts__throughput.avg.pct_of_peak_sustained_elapsed": "L2 thru %",
     "l1tex__throughput.avg.pct_of_peak_sustained_active": "L1 thru %",
     "l1tex__data_pipe_lsu_wavefronts.sum": "L1 wavefronts",
+    "l1tex__data_pipe_lsu_wavefronts_mem_shared.sum": "of which shared",
+    "l1tex__t_requests_pipe_lsu_mem_global_op_ld.sum": "global load requests",
     "sm__inst_executed.sum": "warp instructions",
     "sm__warps_active.avg.pct_of_peak_sustained_active": "occupancy %",
     "sm__inst_executed.avg.per_cycle_active": "IPC",
