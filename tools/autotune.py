@@ -95,6 +95,16 @@ def config_calls(backend: str, direction: str, config: int, input_sets: list) ->
     return calls
 
 
+def best_configs(timed: list[dict], previous: list[dict], keep: int, partial: bool) -> list[dict]:
+    """The entry's fastest configs: this run's, and with a partial run (--configs) also the earlier
+    times of the configs it did not measure."""
+    best = [{"config": r["config"], "ms": round(r["median_ms"], 5)} for r in timed]
+    if partial:
+        measured = {b["config"] for b in best}
+        best += [b for b in previous if b["config"] not in measured]
+    return sorted(best, key=lambda b: b["ms"])[:keep]
+
+
 def presets_to_tune(presets: list[str] | None, layouts: bool) -> list[str]:
     """--presets (default: the DETR / DINO presets, unless --layouts alone), then with --layouts
     the head / channel layouts not named already."""
@@ -124,6 +134,10 @@ def main(argv=None) -> int:
     p.add_argument("--dtypes", nargs="*", choices=list(DTYPES), default=list(DTYPES))
     p.add_argument("--directions", nargs="*", choices=["forward", "backward", DETERMINISTIC], default=["forward", "backward"])
     p.add_argument("--keep", type=int, default=3, help="configs kept per entry")
+    p.add_argument(
+        "--configs", nargs="*",
+        help="time only these configs (by name); the table keeps the earlier times of the others",
+    )
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--check-queries", type=int, default=512)
@@ -159,6 +173,8 @@ def main(argv=None) -> int:
                     results = []
                     listed = tuning.kernel_direction(direction)
                     for index, config_name in enumerate(_extension.kernel_configs(backend, listed)):
+                        if args.configs and config_name not in args.configs:
+                            continue
                         problem = checker.problem(backend, listed, index)
                         if problem:
                             results.append({"config": config_name, "rejected": problem})
@@ -167,12 +183,13 @@ def main(argv=None) -> int:
                         results.append({"config": config_name, **bench_common.summarize(samples), "timing": mode})
                     timed = sorted((r for r in results if "median_ms" in r), key=lambda r: r["median_ms"])
                     if timed:
+                        previous = entries.get((key, backend, direction), {}).get("best", [])
                         entries[(key, backend, direction)] = {
                             "key": key,
                             "backend": backend,
                             "direction": direction,
                             "preset": preset,
-                            "best": [{"config": r["config"], "ms": round(r["median_ms"], 5)} for r in timed[: args.keep]],
+                            "best": best_configs(timed, previous, args.keep, bool(args.configs)),
                         }
                     default = next((r for r in results if r["config"] == _extension.kernel_configs(backend, listed)[0]), {})
                     best = timed[0] if timed else {}

@@ -285,8 +285,8 @@ WINDOW_CASES = [CASES[0], CASES[9], CASES[10]]  # a decoder, and two encoders (p
 @pytest.mark.parametrize("case", WINDOW_CASES, ids=lambda c: c[0])
 def test_every_tma_ws_config_against_float64(case, dtype):
     """Each compiled tma_ws variant (tile size, stages, window budget or no window; the backward's
-    gather variants also deterministic), forward and backward through the ops directly, against
-    float64: the autotuner may pick any of them."""
+    gather and MMA variants also deterministic), forward and backward through the ops directly,
+    against float64: the autotuner may pick any of them."""
     problem = cuda_problem(case, dtype, seed=13)
     skip_unless_supported("tma_ws", validate(*problem.args()))
     args = problem.args()
@@ -301,12 +301,68 @@ def test_every_tma_ws_config_against_float64(case, dtype):
         out = torch.ops.mmdeform_tma.ms_deform_attn_forward(*args, "tma_ws", config)
         check(out, exact, f"{name} output")
     backward_names = kernel_configs("tma_ws", "backward")
-    assert backward_names[: len(names)] == names  # the backward-only (gather) configs come last
+    assert backward_names[: len(names)] == names  # the backward-only configs come last
     for config, name in enumerate(backward_names):
-        for deterministic in (False, True) if name.endswith("_g") else (False,):
+        for deterministic in (False, True) if name.endswith("_g") or "_m16" in name else (False,):
             grads = torch.ops.mmdeform_tma.ms_deform_attn_backward(grad_output, *args, "tma_ws", config, deterministic)
             if deterministic:  # the per-cell sums run in the index's order: bitwise the same every run
                 again = torch.ops.mmdeform_tma.ms_deform_attn_backward(grad_output, *args, "tma_ws", config, True)
                 assert all(torch.equal(a, b) for a, b in zip(grads, again)), name
             for i, (what, got, want) in enumerate(zip(("grad_value", "grad_locations", "grad_weights"), grads, exact_grads)):
                 check(got, want, f"{name} {what}", geometry32[i] if i > 0 else None)
+
+
+def mma_configs() -> list[tuple[int, str]]:
+    return [(i, n) for i, n in enumerate(kernel_configs("tma_ws", "backward")) if "_m16" in n]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", [CASES[9], CASES[10], CASES[0]], ids=lambda c: c[0])
+def test_tma_ws_mma_backward_against_float64(case, dtype):
+    """The tensor-core backward (`_m16` configs) in both of its dtypes: on encoders (pixel-block
+    tiles, windows: 32 and 64 channels) and a decoder (no window pays: the direct path), fast and
+    deterministic, the deterministic one bitwise the same twice."""
+    problem = cuda_problem(case, dtype, seed=19)
+    skip_unless_supported("tma_ws", validate(*problem.args()))
+    args = problem.args()
+    exact_inputs = [t.detach().double().requires_grad_() for t in (problem.value, problem.sampling_locations, problem.attention_weights)]
+    exact = gather_reference(exact_inputs[0], problem.spatial_shapes, problem.level_start_index, exact_inputs[1], exact_inputs[2])
+    grad_output = torch.randn(exact.shape, device="cuda", dtype=dtype)
+    exact_grads = torch.autograd.grad(exact, exact_inputs, grad_output.double())
+    geometry32 = float32_geometry_grads(problem, grad_output)
+    assert len(mma_configs()) >= 2
+    for config, name in mma_configs():
+        for deterministic in (False, True):
+            grads = torch.ops.mmdeform_tma.ms_deform_attn_backward(grad_output, *args, "tma_ws", config, deterministic)
+            if deterministic:
+                again = torch.ops.mmdeform_tma.ms_deform_attn_backward(grad_output, *args, "tma_ws", config, True)
+                assert all(torch.equal(a, b) for a, b in zip(grads, again)), name
+            for i, (what, got, want) in enumerate(zip(("grad_value", "grad_locations", "grad_weights"), grads, exact_grads)):
+                check(got, want, f"{name} deterministic={deterministic} {what}", geometry32[i] if i > 0 else None)
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["fast", "deterministic"])
+def test_tma_ws_mma_backward_non_finite_rows_and_large_weights(deterministic):
+    """Rows of grad_output with a NaN or an Inf, and attention weights beyond 1, take the MMA
+    backward's direct path: a NaN or Inf reaches exactly the value cells the reference's does (a
+    product with the dense weight matrix would spread it over the whole window), and the finite
+    rest stays within the accuracy rules."""
+    problem = cuda_problem(CASES[9], torch.float16, seed=23)
+    skip_unless_supported("tma_ws", validate(*problem.args()))
+    attn = problem.attention_weights.clone()
+    attn[0, :300] *= 4.0
+    value, shapes, starts, loc = problem.value, problem.spatial_shapes, problem.level_start_index, problem.sampling_locations
+    exact_inputs = [t.detach().double().requires_grad_() for t in (value, loc, attn)]
+    exact = gather_reference(exact_inputs[0], shapes, starts, exact_inputs[1], exact_inputs[2])
+    grad_output = torch.randn(exact.shape, device="cuda", dtype=torch.float16)
+    grad_output[0, 7] = float("nan")  # every head of one query
+    grad_output[1, 400, 40] = float("inf")  # one channel of one head
+    grad_output[1, 401, 100] = -float("inf")
+    (want,) = torch.autograd.grad(exact, exact_inputs[0], grad_output.double())
+    finite = torch.isfinite(want)
+    assert (~finite).any() and finite.any()
+    for config, name in mma_configs():
+        got = torch.ops.mmdeform_tma.ms_deform_attn_backward(grad_output, value, shapes, starts, loc, attn, "tma_ws", config, deterministic)[0]
+        assert torch.equal(torch.isnan(got), torch.isnan(want)), name
+        assert torch.equal(torch.isinf(got), torch.isinf(want)) and torch.equal(got[torch.isinf(want)], want[torch.isinf(want)].half()), name
+        check(got[finite], want[finite], f"{name} finite grad_value")

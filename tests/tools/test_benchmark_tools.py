@@ -438,6 +438,17 @@ def test_autotune_tunes_the_layout_presets_on_request():
     assert not set(benchmark_op.LAYOUT_PRESETS) & set(benchmark_op.DEFAULT_GPU_PRESETS)
 
 
+def test_autotune_partial_run_keeps_the_configs_it_did_not_time():
+    import autotune
+
+    timed = [{"config": "b", "median_ms": 0.5}, {"config": "d", "median_ms": 2.0}]
+    previous = [{"config": "a", "ms": 1.0}, {"config": "b", "ms": 3.0}, {"config": "c", "ms": 4.0}]
+    # a full run replaces the entry; a partial one (--configs) merges, the new time winning
+    assert [b["config"] for b in autotune.best_configs(timed, previous, 3, False)] == ["b", "d"]
+    merged = autotune.best_configs(timed, previous, 3, True)
+    assert merged == [{"config": "b", "ms": 0.5}, {"config": "a", "ms": 1.0}, {"config": "d", "ms": 2.0}]
+
+
 def test_autotune_needs_a_gpu():
     if torch.cuda.is_available():
         pytest.skip("a GPU is present")

@@ -222,4 +222,21 @@ __device__ __forceinline__ T team_sum(T x, unsigned mask, int team) {
   return x;
 }
 
+// The same sum with the whole warp taking part, converged. A team mask known only at run time
+// makes the compiler emulate each shuffle in software (WARPSYNC.COLLECTIVE loops: 30 % of the
+// tma_ws backward's instructions under ncu, H100, 2026-11-24); the constant full mask does not.
+template <typename T>
+__device__ __forceinline__ T warp_team_sum(T x, int team) {
+  for (int offset = team >> 1; offset > 0; offset >>= 1) x += __shfl_xor_sync(0xffffffffu, x, offset);
+  return x;
+}
+
+// Whether `pred` holds on every lane of this lane's team (the whole warp converged).
+__device__ __forceinline__ bool warp_team_all(bool pred, int team) {
+  const unsigned failing = __ballot_sync(0xffffffffu, !pred);
+  const int lane = threadIdx.x & 31;
+  const unsigned mine = (team == 32 ? 0xffffffffu : ((1u << team) - 1u) << (lane & ~(team - 1)));
+  return (failing & mine) == 0u;
+}
+
 }  // namespace mmdeform_tma

@@ -17,9 +17,21 @@
 // the tile's rows in fp32 at its first level: ncu (H100, 2026-11-23, commit 5543177) had the
 // walk's global load, 64-bit address and conversion per entry as what made the gather execute
 // 1.38x the plain kernel's instructions.
+//
+// The MMA variant (configs with `mma`, fp16/bf16) sums on the tensor cores instead. Per stage the
+// consumer teams write each window point's four corner weights into a dense (slot x window cell)
+// matrix A, as hi + lo 16-bit parts (one 16-bit weight alone would cost the fp16 result about
+// 1.4x its rounding error); after a barrier, the window's value gradient is A^T (cells x slots)
+// times the tile's output-gradient rows (slots x channels), and each warp reduces its cells' sums
+// once, skipping untouched cells. Per point the consumers keep only the dot products (corners via
+// L1) and the location and attention gradients: no reductions for window points. A warp zeroes
+// the block of A it alone read; a second barrier orders that before the next stage's writes.
+// Rows of non-finite output gradients, weights beyond |1| and points outside the window take the
+// direct path, so A and the staged rows stay finite and a NaN reaches only the cells it touches.
 #include "../common/grad_accumulation.cuh"
 #include "../common/launchers.h"
 #include "backward_chunk.h"
+#include "mma_fragments.cuh"
 #include "window_launch.cuh"
 #include "window_pipeline.cuh"
 
@@ -179,6 +191,119 @@ __device__ __forceinline__ void build_gather_index(const Problem<scalar_t>& p, c
 
 #endif  // MMDEFORM_TMA_HOPPER_DEVICE
 
+// How a window point's value-gradient contributions reach memory (the kernel's variants).
+enum class Aggregation {
+  kDirect,  // one reduction per corner
+  kGather,  // summed per window cell from the producer's index
+  kMma,     // summed per window cell on the tensor cores
+};
+
+// The MMA kernel's lane chunk: 16 bytes (8 halves), so a row of 32-128 channels is a team of 4-16
+// lanes; teams of at least 4 write a point's four corners at once.
+constexpr int kMmaChunkBytes = 16;
+constexpr bool mma_built(int element_size, int64_t channels) {
+  return element_size == 2 && channels % 16 == 0 && channels * element_size >= 4 * kMmaChunkBytes &&
+         channels * element_size <= 256;
+}
+constexpr int kMmaMaxKSteps = kMmaMaxSlots / 16;
+
+// The weights' scale in A for fp16: a (slot, cell) entry sums at most `points` weights of |a| <= 1
+// (larger ones take the direct path), so 2^15 / points keeps it finite and its lo part normal
+// down to weights of about 2^-17 points. bf16 has fp32's range and needs none.
+template <typename scalar_t>
+__host__ __device__ constexpr float mma_weight_scale(int points) {
+  if constexpr (!std::is_same_v<scalar_t, __half>) return 1.0f;
+  float scale = 32768.0f;
+  for (int p = 1; p < points; p <<= 1) scale *= 0.5f;
+  return scale;
+}
+
+#if MMDEFORM_TMA_HOPPER_DEVICE
+
+// Adds weight x scale to A[slot][cell] (hi and lo). Only this team writes the slot's row, one
+// point after another, so the read-modify-write needs no atomics.
+template <typename scalar_t>
+__device__ __forceinline__ void add_mma_weight(uint32_t smem_base, const LaunchShape& s, int slot, int cell, float weight) {
+  const uint32_t hi = smem_base + static_cast<uint32_t>(s.a_offset + slot * s.a_stride + 2 * cell);
+  const uint32_t lo = hi + static_cast<uint32_t>(s.a_bytes);
+  const SplitWeight<scalar_t> sum =
+      split_weight<scalar_t>(to_float(ld_shared_16<scalar_t>(hi)) + to_float(ld_shared_16<scalar_t>(lo)) + weight);
+  st_shared_16(hi, sum.hi);
+  st_shared_16(lo, sum.lo);
+}
+
+// Reduces one 16 x 8 accumulator tile (window cells x channels) into the sink: lane pairs swap
+// halves so that each lane holds four consecutive channels of one cell (even lanes row g, odd
+// lanes row g + 8). `index` is the lane's element for channel 0 of the tile; cells that no point
+// touched sum to exactly zero and are skipped.
+template <bool kScaled, typename Sink>
+__device__ __forceinline__ void reduce_mma_tile(const Sink& sink, const float (&d)[4], int64_t index, float inverse_scale) {
+  const bool odd = threadIdx.x & 1;
+  const float give0 = odd ? d[0] : d[2], give1 = odd ? d[1] : d[3];
+  const float got0 = __shfl_xor_sync(0xffffffffu, give0, 1), got1 = __shfl_xor_sync(0xffffffffu, give1, 1);
+  float v[4] = {odd ? got0 : d[0], odd ? got1 : d[1], odd ? d[2] : got0, odd ? d[3] : got1};
+  // +-0 in all four (the bits past the sign), as every channel of an untouched cell is
+  const uint32_t bits = __float_as_uint(v[0]) | __float_as_uint(v[1]) | __float_as_uint(v[2]) | __float_as_uint(v[3]);
+  if ((bits << 1) == 0u) return;
+  if constexpr (kScaled) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) v[i] *= inverse_scale;
+  }
+  sink.add(index, v);
+}
+
+// One warp's share of a stage's MMA: window rows of 16 cells (m-tiles) in turn, all slots (k),
+// every channel (n, 16 at a time); then it zeroes the block of A it read.
+template <typename scalar_t, typename Sink>
+__device__ __forceinline__ void reduce_window_mma(uint32_t smem_base, const LaunchShape& s, const StageWindow& w,
+                                                  const Sink& sink, int64_t key_stride, int64_t head_column,
+                                                  int channels, float inverse_scale) {
+  const int warp = threadIdx.x / 32 - 1, lane = threadIdx.x & 31;
+  const int k_steps = s.slots / 16;
+  const uint32_t a_hi = smem_base + static_cast<uint32_t>(s.a_offset), a_lo = a_hi + static_cast<uint32_t>(s.a_bytes);
+  const uint32_t rows = smem_base + static_cast<uint32_t>(s.g_offset);
+  // The rows this lane addresses for ldmatrix: A^T's (slot, cell), the output gradient's (slot, channel).
+  const int a_slot = (lane & 7) + ((lane >> 4) << 3), a_cell = ((lane >> 3) & 1) * 8;
+  const int b_slot = (lane & 7) + (((lane >> 3) & 1) << 3), b_channel = (lane >> 4) * 8;
+  const int m_tiles = w.rows * s.window_cols / 16;
+  for (int tile = warp; tile < m_tiles; tile += s.consumer_warps) {
+    const int m0 = tile * 16;
+    const int cell = m0 + (lane >> 2) + ((lane & 1) ? 8 : 0);  // the cell this lane reduces
+    const int64_t key = static_cast<int64_t>(w.key0) + (cell >> s.window_cols_log2) * w.width + (cell & (s.window_cols - 1));
+    const int64_t index = key * key_stride + head_column + 4 * ((lane & 3) >> 1);
+    for (int n0 = 0; n0 < channels; n0 += 16) {
+      float d0[4] = {0.0f, 0.0f, 0.0f, 0.0f}, d1[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+      for (int k = 0; k < kMmaMaxKSteps; ++k) {
+        if (k >= k_steps) break;
+        uint32_t hi[4], lo[4], g[4];
+        const uint32_t a_at = static_cast<uint32_t>((16 * k + a_slot) * s.a_stride + (m0 + a_cell) * 2);
+        ldmatrix_x4_trans(hi, a_hi + a_at);
+        ldmatrix_x4_trans(lo, a_lo + a_at);
+        ldmatrix_x4_trans(g, rows + static_cast<uint32_t>((16 * k + b_slot) * s.g_stride + (n0 + b_channel) * 2));
+        mma_16x8x16<scalar_t>(d0, hi, g[0], g[1]);
+        mma_16x8x16<scalar_t>(d0, lo, g[0], g[1]);
+        mma_16x8x16<scalar_t>(d1, hi, g[2], g[3]);
+        mma_16x8x16<scalar_t>(d1, lo, g[2], g[3]);
+      }
+      constexpr bool kScaled = std::is_same_v<scalar_t, __half>;
+      reduce_mma_tile<kScaled>(sink, d0, index + n0, inverse_scale);
+      reduce_mma_tile<kScaled>(sink, d1, index + n0 + 8, inverse_scale);
+    }
+    __syncwarp();  // every lane's ldmatrix reads of the block are done
+    const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+    for (int slot = lane; slot < s.slots; slot += 32) {
+      const uint32_t row = a_hi + static_cast<uint32_t>(slot * s.a_stride + m0 * 2);
+      st_shared_v4(row, zero);
+      st_shared_v4(row + 16, zero);
+      st_shared_v4(row + s.a_bytes, zero);
+      st_shared_v4(row + s.a_bytes + 16, zero);
+    }
+  }
+}
+
+#endif  // MMDEFORM_TMA_HOPPER_DEVICE
+
 // The kernels built at 4 CTAs per SM (`_o4` configs): those ptxas fits in 96 registers without
 // spills. The fp16 16-byte-lane and fixed-point ones spill there and keep 3.
 template <typename scalar_t, int kChunkBytes, typename Sink>
@@ -186,7 +311,7 @@ constexpr bool four_ctas_built() {
   return std::is_same_v<Sink, AtomicSink<float>> && (sizeof(scalar_t) == 4 || kChunkBytes == 8);
 }
 
-template <typename scalar_t, int kChunkBytes, typename Sink, bool kGather,
+template <typename scalar_t, int kChunkBytes, typename Sink, Aggregation kAggregation,
           int kCtasPerSm = min_blocks_per_multiprocessor<scalar_t>()>
 __global__ void __launch_bounds__(kMaxThreads, kCtasPerSm)
     backward_kernel(
@@ -198,6 +323,8 @@ __global__ void __launch_bounds__(kMaxThreads, kCtasPerSm)
   using coord_t = coord_type<scalar_t>;
   using acc_t = acc_type<scalar_t>;
   constexpr int VEC = kChunkBytes / static_cast<int>(sizeof(scalar_t));
+  constexpr bool kGather = kAggregation == Aggregation::kGather;
+  constexpr bool kMma = kAggregation == Aggregation::kMma;
   extern __shared__ __align__(128) char dynamic_smem[];
 
   if (!level_geometry_ok(p.spatial_shapes, p.level_start, p.levels, p.num_keys)) {
@@ -207,6 +334,11 @@ __global__ void __launch_bounds__(kMaxThreads, kCtasPerSm)
   const Ring<coord_t> ring{dynamic_smem, &s};
   const int groups = tile_groups(p, s);
   const int num_tiles = tile_count(p, groups);
+  if constexpr (kMma) {  // A starts zero; init_ring's barrier orders this before any use
+    for (int i = threadIdx.x * 16; i < 2 * s.a_bytes; i += blockDim.x * 16) {
+      *reinterpret_cast<uint4*>(dynamic_smem + s.a_offset + i) = make_uint4(0u, 0u, 0u, 0u);
+    }
+  }
   init_ring(ring, &value_map);
   if (threadIdx.x < 32) {
     if constexpr (kGather) {
@@ -223,10 +355,11 @@ __global__ void __launch_bounds__(kMaxThreads, kCtasPerSm)
 
   sink.prepare();
   const ConsumerLane cl = consumer_lane(s);
-  const unsigned mask = team_mask(s.team);
   const int64_t key_stride = static_cast<int64_t>(p.heads) * p.channels;
   const uint32_t zeros = smem_address(ring.zeros());
+  const uint32_t smem_base = smem_address(dynamic_smem);
   const int points = p.levels * p.points;
+  const float weight_scale = mma_weight_scale<scalar_t>(p.points);
 
   StageCursor at{static_cast<int>(blockIdx.x), 0, 0, 0u};
   Tile t{};
@@ -250,7 +383,20 @@ __global__ void __launch_bounds__(kMaxThreads, kCtasPerSm)
       coord_t* g_weights = grad_weights + row * points + at.level * p.points;
       coord_t* g_locations = grad_locations + 2 * (row * points + at.level * p.points);
       acc_t go[VEC];  // reloaded per level (an L1/L2 hit): registers stay free of the other queries
-      to_acc(load_vec<scalar_t, VEC>(grad_output + row * p.channels + cl.lane * VEC), go);
+      const Vec<scalar_t, VEC> go_raw = load_vec<scalar_t, VEC>(grad_output + row * p.channels + cl.lane * VEC);
+      to_acc(go_raw, go);
+      bool finite_row = false;  // MMA: the slot's row is finite, so its window points may join A
+      if constexpr (kMma) {
+        bool finite = query >= 0;
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) finite = finite && isfinite(go[k]);
+        finite_row = warp_team_all(finite, s.team);
+        if (at.level == 0) {  // the B operand: the row as it is, or zeros (never a NaN in the product)
+          const uint4 raw = *reinterpret_cast<const uint4*>(&go_raw);
+          st_shared_v4(smem_base + static_cast<uint32_t>(s.g_offset + slot * s.g_stride + cl.chunk_byte),
+                       finite_row ? raw : make_uint4(0u, 0u, 0u, 0u));
+        }
+      }
       if constexpr (kGather) {
         static_assert(VEC == 4 && std::is_same_v<acc_t, float>, "the gather stages rows as float4 lanes");
         if (at.level == 0) {
@@ -262,24 +408,22 @@ __global__ void __launch_bounds__(kMaxThreads, kCtasPerSm)
       const WindowPoint<coord_t>* slot_meta = meta + slot * p.points;
 #pragma unroll 1
       for (int point = 0; point < p.points; ++point) {
+        // A point that misses the level runs through too (its corners read zeros, its gradients
+        // are zero): the warp stays converged for the shuffles below.
         const WindowPoint<coord_t> m = slot_meta[point];
-        if (!m.valid) {  // the whole team skips: no shuffle below is left half-joined
-          if (query >= 0 && cl.lane == 0) {
-            g_weights[point] = coord_t(0);
-            g_locations[2 * point] = g_locations[2 * point + 1] = coord_t(0);
-          }
-          continue;
-        }
         acc_t dot[4];
         const auto corners =
-            load_point<scalar_t, VEC>(m, w.rows > 0, window, zeros, s, cl, lane_value, key_stride, row_stride);
-        const bool gathered = kGather && w.rows > 0 && m.cell >= 0;  // reduced per cell below
+            load_point<scalar_t, VEC>(m, s.load_window && w.rows > 0, window, zeros, s, cl, lane_value, key_stride, row_stride);
+        // Window points whose contributions are summed per cell below (gather, MMA).
+        bool gathered = false;
+        if constexpr (kGather) gathered = w.rows > 0 && m.cell >= 0;
+        if constexpr (kMma) gathered = w.rows > 0 && m.cell >= 0 && finite_row && fabsf(m.attention) <= 1.0f;
         use_corners<scalar_t, VEC>(corners, [&](int c, const acc_t (&v)[VEC]) {
           dot[c] = acc_t(0);
 #pragma unroll
           for (int k = 0; k < VEC; ++k) dot[c] = fma(go[k], v[k], dot[c]);
           if (!(m.valid & (1u << c))) return;
-          if constexpr (kGather) {
+          if constexpr (kGather || kMma) {
             if (gathered) return;
           }
           const acc_t weight = static_cast<acc_t>(m.weight[c]);
@@ -294,15 +438,39 @@ __global__ void __launch_bounds__(kMaxThreads, kCtasPerSm)
                        ly * lx * dot[kBottomRight];
         acc_t grad_x = hy * (dot[kTopRight] - dot[kTopLeft]) + ly * (dot[kBottomRight] - dot[kBottomLeft]);
         acc_t grad_y = hx * (dot[kBottomLeft] - dot[kTopLeft]) + lx * (dot[kBottomRight] - dot[kTopRight]);
-        grad_a = team_sum(grad_a, mask, s.team);
-        grad_x = team_sum(grad_x, mask, s.team);
-        grad_y = team_sum(grad_y, mask, s.team);
-        if (query >= 0 && cl.lane == 0) {
-          g_weights[point] = grad_a;
-          g_locations[2 * point] = m.attention * coord_t(w.width) * grad_x;
-          g_locations[2 * point + 1] = m.attention * coord_t(w.height) * grad_y;
+        grad_a = warp_team_sum(grad_a, s.team);
+        grad_x = warp_team_sum(grad_x, s.team);
+        grad_y = warp_team_sum(grad_y, s.team);
+        if (query >= 0 && cl.lane == 0) {  // a point that misses the level has zero gradients, even for a NaN row
+          const bool sampled = m.valid != 0u;
+          g_weights[point] = sampled ? grad_a : coord_t(0);
+          g_locations[2 * point] = sampled ? m.attention * coord_t(w.width) * grad_x : coord_t(0);
+          g_locations[2 * point + 1] = sampled ? m.attention * coord_t(w.height) * grad_y : coord_t(0);
+        }
+        if constexpr (kMma) {
+          if (gathered && cl.lane < 4) {  // lane c of the team adds corner c
+            const int c = cl.lane;
+            // selected, not indexed: a run-time index would put the metadata on the stack
+            const coord_t weight = c == 0 ? m.weight[0] : c == 1 ? m.weight[1] : c == 2 ? m.weight[2] : m.weight[3];
+            add_mma_weight<scalar_t>(smem_base, s, slot, m.cell + (c & 1) + ((c & 2) ? s.window_cols : 0),
+                                     static_cast<float>(weight) * weight_scale);
+          }
+          __syncwarp();  // the next point's lanes see these weights
         }
       }
+    }
+    if constexpr (kMma) {
+      if (w.rows > 0) {
+        consumer_barrier(s.consumer_warps * 32);  // A and the staged rows are complete
+        mbarrier_arrive(ring.empty(at.stage));
+        reduce_window_mma<scalar_t>(smem_base, s, w, sink, key_stride, static_cast<int64_t>(t.head) * p.channels,
+                                    p.channels, 1.0f / weight_scale);
+        consumer_barrier(s.consumer_warps * 32);  // every warp has read and zeroed its blocks of A
+      } else {
+        mbarrier_arrive(ring.empty(at.stage));
+      }
+      at.advance(p.levels, s.stages);
+      continue;
     }
     if constexpr (kGather) {
       // Every team's rows are staged before any team walks; a tile's rows are read through its
@@ -353,7 +521,13 @@ Gradients backward(const ProblemTensors& problem, const at::Tensor& grad_output,
   const int chunk_bytes = hopper::backward_chunk_bytes(static_cast<int>(problem.channels), element);
   const int meta_size = static_cast<int>(element == 8 ? sizeof(WindowPoint<double>) : sizeof(WindowPoint<float>));
   const int entry_size = gather_built(element, chunk_bytes) ? static_cast<int>(sizeof(GatherEntry<float>)) : 0;
-  const LaunchShape s = launch_shape(problem, config, chunk_bytes, meta_size, kMaxBackwardSlotsPerTeam, true, entry_size);
+  LaunchShape s{};
+  if ((config < 0 || is_mma_config(config)) && mma_built(element, problem.channels)) {
+    s = launch_shape(problem, config, kMmaChunkBytes, meta_size, kMaxBackwardSlotsPerTeam, true, 0, true);
+  }
+  if (!s.mma) {  // any other config or problem; an MMA config whose tile the MMA cannot take runs without a window
+    s = launch_shape(problem, config, chunk_bytes, meta_size, kMaxBackwardSlotsPerTeam, true, entry_size);
+  }
   return run_backward(
       problem, grad_output, deterministic, "mmdeform_tma tma_ws backward",
       [&](auto sink, const auto* go, auto* grad_locations, auto* grad_weights) {
@@ -362,24 +536,38 @@ Gradients backward(const ProblemTensors& problem, const at::Tensor& grad_output,
         // reference, which instantiates a host stub the device pass never registered (the launch
         // then fails with "invalid resource handle").
         using Sink = std::decay_t<decltype(sink)>;
+        if constexpr (sizeof(scalar_t) == 2) {
+          if constexpr (std::is_same_v<Sink, AtomicSink<float>>) {  // the fixed-point one spills at 96 registers
+            if (s.mma && s.ctas_per_sm == 4) {
+              launch_persistent<scalar_t>(backward_kernel<scalar_t, kMmaChunkBytes, Sink, Aggregation::kMma, 4>, problem,
+                                          s, go, sink, grad_locations, grad_weights);
+              return;
+            }
+          }
+          if (s.mma) {
+            launch_persistent<scalar_t>(backward_kernel<scalar_t, kMmaChunkBytes, Sink, Aggregation::kMma>, problem, s,
+                                        go, sink, grad_locations, grad_weights);
+            return;
+          }
+        }
         hopper::with_backward_chunk<scalar_t>(static_cast<int>(problem.channels), [&](auto chunk) {
           constexpr int kChunk = decltype(chunk)::value;
           if constexpr (gather_built(sizeof(scalar_t), kChunk)) {
             if (s.gather) {
-              launch_persistent<scalar_t>(backward_kernel<scalar_t, kChunk, Sink, true>, problem, s, go, sink,
-                                          grad_locations, grad_weights);
+              launch_persistent<scalar_t>(backward_kernel<scalar_t, kChunk, Sink, Aggregation::kGather>, problem, s,
+                                          go, sink, grad_locations, grad_weights);
               return;
             }
           }
           if constexpr (four_ctas_built<scalar_t, kChunk, Sink>()) {
             if (s.ctas_per_sm == 4) {
-              launch_persistent<scalar_t>(backward_kernel<scalar_t, kChunk, Sink, false, 4>, problem, s, go, sink,
-                                          grad_locations, grad_weights);
+              launch_persistent<scalar_t>(backward_kernel<scalar_t, kChunk, Sink, Aggregation::kDirect, 4>, problem, s,
+                                          go, sink, grad_locations, grad_weights);
               return;
             }
           }
-          launch_persistent<scalar_t>(backward_kernel<scalar_t, kChunk, Sink, false>, problem, s, go, sink,
-                                      grad_locations, grad_weights);
+          launch_persistent<scalar_t>(backward_kernel<scalar_t, kChunk, Sink, Aggregation::kDirect>, problem, s, go,
+                                      sink, grad_locations, grad_weights);
         });
       });
 }

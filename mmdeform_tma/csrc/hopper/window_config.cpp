@@ -34,9 +34,15 @@ int log2_exact(int x) {
 // 64-query tiles in the forward and 32 in the backward; smaller tiles while the problem would give
 // fewer than four tiles per SM slot (decoder shapes), so that every SM is busy. Windows in the
 // backward of pixel-block tiles only: there they beat L1 by 4-8 %; in the forward, and for strips
-// of unordered queries, loading a window cost more than the L1 hits it replaces.
-Config default_config(const ProblemTensors& problem, int team, bool backward) {
+// of unordered queries, loading a window cost more than the L1 hits it replaces. Pixel-block
+// backwards that the MMA kernel takes (`mma_kernel`) run it.
+Config default_config(const ProblemTensors& problem, int team, bool backward, bool mma_kernel) {
   const bool pixel_tiles = problem.queries == problem.num_keys;
+  if (backward && pixel_tiles && mma_kernel) {
+    // The MMA backward at 4 CTAs per SM: 0.79 ms against 1.06-1.09 for the best plain configs on
+    // the fp16 DETR encoder at bs 2, 3.03 against 4.20 at bs 8 (H100, 2026-11-24, perf_notes.md).
+    return Config{"auto", 4, 32, 2, 0, false, 4, true};
+  }
   Config c{"auto", 4, backward ? 32 : 64, 3, backward && pixel_tiles ? 16 : 0};
   const int min_slots = std::max(1, c.consumer_warps * 32 / team);
   const int64_t target_tiles = 4LL * multiprocessor_count();
@@ -48,7 +54,7 @@ Config default_config(const ProblemTensors& problem, int team, bool backward) {
 }
 
 LaunchShape shape_for(const ProblemTensors& problem, const Config& config, int chunk_bytes, int meta_size,
-                      int max_slots_per_team, int gather_entry_size) {
+                      int max_slots_per_team, int gather_entry_size, bool mma_kernel) {
   LaunchShape s{};
   const int element = static_cast<int>(problem.value.element_size());
   s.row_bytes = static_cast<int>(problem.channels) * element;
@@ -64,7 +70,11 @@ LaunchShape shape_for(const ProblemTensors& problem, const Config& config, int c
   s.pixel_tiles = problem.queries == problem.num_keys;
   s.stages = config.stages;
   s.meta_size = meta_size;
-  if (config.window_kbytes > 0) {
+  // The MMA's k-steps take 16 slots each, at most four.
+  s.mma = config.mma && mma_kernel && s.slots % 16 == 0 && s.slots <= kMmaMaxSlots;
+  if (s.mma) {
+    s.window_cols = s.window_rows = kMmaWindowSide;
+  } else if (config.window_kbytes > 0) {
     const int cells = config.window_kbytes * 1024 / s.row_bytes;
     s.window_cols = std::clamp(floor_pow2(static_cast<int>(std::sqrt(static_cast<double>(cells)))), kMinWindowCols,
                                kMaxWindowSide);
@@ -75,7 +85,8 @@ LaunchShape shape_for(const ProblemTensors& problem, const Config& config, int c
   }
   s.window_cols_log2 = log2_exact(s.window_cols);
   s.ctas_per_sm = config.ctas_per_sm;
-  s.window_bytes = round128(s.window_rows * s.window_cols * s.row_bytes);
+  s.load_window = s.window_rows > 0 && !s.mma;
+  s.window_bytes = s.load_window ? round128(s.window_rows * s.window_cols * s.row_bytes) : 0;
   s.meta_offset = s.window_bytes;
   const int stage_points = s.slots * static_cast<int>(problem.points);
   s.header_offset = s.meta_offset + round128(stage_points * meta_size);
@@ -94,7 +105,12 @@ LaunchShape shape_for(const ProblemTensors& problem, const Config& config, int c
   s.scratch_offset = s.zero_offset + s.zero_bytes;
   s.grad_rows_offset = s.scratch_offset + (s.gather ? round128(cells * 4) : 0);
   s.grad_rows_bytes = s.gather ? round128(s.slots * static_cast<int>(problem.channels) * 4) : 0;
-  s.barrier_offset = s.grad_rows_offset + 2 * s.grad_rows_bytes;
+  s.a_offset = s.grad_rows_offset + 2 * s.grad_rows_bytes;
+  s.a_stride = s.mma ? (cells + 8) * 2 : 0;  // 16 bytes of padding: ldmatrix rows in distinct banks
+  s.a_bytes = s.mma ? round128(s.slots * s.a_stride) : 0;
+  s.g_offset = s.a_offset + 2 * s.a_bytes;
+  s.g_stride = s.mma ? (static_cast<int>(problem.channels) + 8) * 2 : 0;
+  s.barrier_offset = s.g_offset + (s.mma ? round128(s.slots * s.g_stride) : 0);
   s.total_bytes = s.barrier_offset + round128(2 * s.stages * 8) + 128;  // + alignment slack
   return s;
 }
@@ -122,6 +138,11 @@ const std::vector<Config>& configs() {
     // throughput where `cuda`'s backward, with twice the warps, reaches 90 % (perf_notes.md).
     list.push_back({"c4_t32_s2_w16_o4", 4, 32, 2, 16, false, 4});
     list.push_back({"c4_t16_s2_l1_o4", 4, 16, 2, 0, false, 4});
+    // Backward only, not measured yet: the MMA backward (16 x 16-cell accumulation windows).
+    list.push_back({"c4_t32_s2_m16", 4, 32, 2, 0, false, 3, true});
+    list.push_back({"c4_t32_s3_m16", 4, 32, 3, 0, false, 3, true});
+    list.push_back({"c4_t64_s2_m16", 4, 64, 2, 0, false, 3, true});
+    list.push_back({"c4_t32_s2_m16_o4", 4, 32, 2, 0, false, 4, true});
     return list;
   }();
   return all;
@@ -140,24 +161,28 @@ std::vector<std::string> backward_config_names() {
   return names;
 }
 
+bool is_mma_config(int64_t config) {
+  return config >= 0 && config < static_cast<int64_t>(configs().size()) && configs()[config].mma;
+}
+
 LaunchShape launch_shape(const ProblemTensors& problem, int64_t config, int chunk_bytes, int meta_size,
-                         int max_slots_per_team, bool backward, int gather_entry_size) {
+                         int max_slots_per_team, bool backward, int gather_entry_size, bool mma_kernel) {
   const int row_bytes = static_cast<int>(problem.channels * problem.value.element_size());
   const int limit = current_device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin);
   if (config >= 0) {
     const int64_t count = static_cast<int64_t>(backward ? configs().size() : config_names().size());
     TORCH_CHECK(config < count, "mmdeform_tma tma_ws: config ", num(config), " out of range");
-    const LaunchShape s =
-        shape_for(problem, configs()[config], chunk_bytes, meta_size, max_slots_per_team, backward ? gather_entry_size : 0);
+    const LaunchShape s = shape_for(problem, configs()[config], chunk_bytes, meta_size, max_slots_per_team,
+                                    backward ? gather_entry_size : 0, backward && mma_kernel);
     TORCH_CHECK(s.total_bytes <= limit, "mmdeform_tma tma_ws: config ", configs()[config].name, " needs ",
                 num(s.total_bytes), " bytes of shared memory for ", num(problem.points), " points per level; the GPU allows ",
                 num(limit));
     return s;
   }
   // Shrink the default until it fits: fewer stages, then smaller windows, then smaller tiles.
-  Config c = default_config(problem, row_bytes / chunk_bytes, backward);
+  Config c = default_config(problem, row_bytes / chunk_bytes, backward, mma_kernel);
   for (;;) {
-    const LaunchShape s = shape_for(problem, c, chunk_bytes, meta_size, max_slots_per_team, 0);
+    const LaunchShape s = shape_for(problem, c, chunk_bytes, meta_size, max_slots_per_team, 0, mma_kernel);
     if (s.total_bytes <= limit) return s;
     if (c.stages > 2) {
       --c.stages;

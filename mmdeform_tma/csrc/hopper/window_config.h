@@ -37,8 +37,12 @@ struct Config {
   // caps them at 96 where ptxas fits that without spills (the fast fp16/bf16 8-byte-lane and
   // fp32 kernels); elsewhere the kernel keeps its usual budget (3; fp64 1).
   int ctas_per_sm = 3;
+  // Backward only: sum each tile's value-gradient contributions over a 16 x 16-cell accumulation
+  // window on the tensor cores and reduce each touched cell once (window_backward.cu). No value
+  // window is loaded: corners come through L1.
+  bool mma = false;
 
-  bool backward_only() const { return gather || ctas_per_sm != 3; }
+  bool backward_only() const { return gather || ctas_per_sm != 3 || mma; }
 };
 
 const std::vector<Config>& configs();
@@ -84,13 +88,30 @@ struct LaunchShape {
   int grad_rows_offset;
   int grad_rows_bytes;  // of one buffer
   int ctas_per_sm;     // the config's register budget (Config::ctas_per_sm)
+  // The window is loaded (TMA) for the consumers' corner reads; false for the MMA backward, whose
+  // window only places the accumulation cells.
+  bool load_window;
+  // MMA backward (configs with `mma`, for fp16/bf16 rows of 32-128 channels and tiles of 16, 32
+  // or 64 slots): the tile's weights per (slot, window cell) as hi and lo 16-bit arrays (rows of
+  // a_stride bytes, a_bytes each), and its output-gradient rows in value's dtype (g_stride bytes).
+  bool mma;
+  int a_offset, a_stride, a_bytes;
+  int g_offset, g_stride;
 };
 
 // The geometry `config` gives for this problem (-1: the default heuristic); throws with the reason
 // when it cannot fit an SM. `gather_entry_size` > 0: the caller has a gather kernel, whose entries
 // take that many bytes; a gather config then lays out its index (otherwise it runs without one).
+// `mma_kernel`: the caller has an MMA kernel for this problem; an `mma` config then lays out its
+// arrays when the tile allows (LaunchShape::mma), and otherwise runs without a window.
 LaunchShape launch_shape(const ProblemTensors& problem, int64_t config, int chunk_bytes, int meta_size,
-                         int max_slots_per_team, bool backward, int gather_entry_size = 0);
+                         int max_slots_per_team, bool backward, int gather_entry_size = 0, bool mma_kernel = false);
+
+// The MMA backward's accumulation window (cells a side) and its slot limit (four k-steps).
+constexpr int kMmaWindowSide = 16;
+constexpr int kMmaMaxSlots = 64;
+// Whether backward config `config` (-1: the default) is an MMA config.
+bool is_mma_config(int64_t config);
 
 }  // namespace window
 }  // namespace hopper

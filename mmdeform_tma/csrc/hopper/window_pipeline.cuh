@@ -9,7 +9,8 @@
 //      window_rows x window_cols cells over it (centred on the box when the box is larger),
 //   3. marks the points whose four corners lie inside the level and the window, and
 //   4. loads the window with one TMA box per window row when it pays (at least as many corner
-//      reads inside it as cells loaded); otherwise the stage has no window.
+//      reads inside it as cells loaded); otherwise the stage has no window. The MMA backward's
+//      window is not loaded (LaunchShape::load_window): it only places the cells it sums over.
 // Consumers read a window point's corners from shared memory, any other point's corners from
 // global memory through L1, and corners outside the level from a block of zeros.
 //
@@ -301,13 +302,14 @@ __device__ __forceinline__ void produce_stage(
   if (lane == 0) *ring.header(stage) = w;
   work(t, w, stage);
 
-  const uint32_t bytes = static_cast<uint32_t>(w.rows * s.window_cols * s.row_bytes);
+  const bool load = s.load_window && w.rows > 0;
+  const uint32_t bytes = load ? static_cast<uint32_t>(w.rows * s.window_cols * s.row_bytes) : 0u;
   if (lane == 0) {
     mbarrier_arrive_expect_tx(ring.full(stage), bytes);
   } else {
     mbarrier_arrive(ring.full(stage));
   }
-  if (w.rows > 0) {
+  if (load) {
     __syncwarp();  // the expected bytes are posted before any box lands
     fence_proxy_async_shared();
     const int column = t.head * p.channels;
