@@ -5,8 +5,8 @@
     compute-sanitizer --tool synccheck python tools/sanitize_cases.py
 
 Covers every dtype, the fast and the deterministic backward, partial tiles and points outside the
-levels, and for tma_ws every compiled variant with TMA windows on an encoder problem (one query per
-pixel: pixel-block tiles, windows loaded) and a decoder one. Prints one line per case; any error the
+levels, and for tma_ws every compiled variant with windows (TMA windows, and the MMA backward's
+accumulation windows) on an encoder problem (one query per pixel: pixel-block tiles) and a decoder one. Prints one line per case; any error the
 tool finds is reported by compute-sanitizer itself.
 """
 
@@ -25,7 +25,7 @@ ops = torch.ops.mmdeform_tma
 
 
 def window_variants(dtype: torch.dtype) -> None:
-    """tma_ws's windowed variants, called through the ops with their config index."""
+    """tma_ws's windowed and MMA variants, called through the ops with their config index."""
     encoder = [(9, 13), (5, 7), (3, 4)]  # 165 keys = queries
     for locality, queries in (("encoder", sum(h * w for h, w in encoder)), ("local", 40)):
         g = torch.Generator().manual_seed(1)
@@ -34,8 +34,8 @@ def window_variants(dtype: torch.dtype) -> None:
         args = problem.to(device="cuda", dtype=dtype, coord_dtype=problem.sampling_locations.dtype).args()
         grad = torch.randn(2, queries, 64, device="cuda", dtype=dtype)
         forward_count = len(kernel_configs("tma_ws", "forward"))
-        for index, name in enumerate(kernel_configs("tma_ws", "backward")):  # the forward's, then gather ones
-            if "_w" not in name:
+        for index, name in enumerate(kernel_configs("tma_ws", "backward")):  # the forward's, then backward-only ones
+            if "_w" not in name and "_m16" not in name:
                 continue
             if index < forward_count:
                 ops.ms_deform_attn_forward(*args, "tma_ws", index)
@@ -63,7 +63,7 @@ def main(argv=None) -> int:
                 print(f"{backend:7} {str(dtype):15} deterministic={deterministic}: ok")
     torch.use_deterministic_algorithms(False)
     if "tma_ws" in args.backends:
-        for dtype in (torch.float16, torch.float32):
+        for dtype in (torch.float16, torch.bfloat16, torch.float32):
             window_variants(dtype)
     return 0
 
