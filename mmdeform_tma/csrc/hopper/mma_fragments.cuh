@@ -34,6 +34,10 @@ __device__ __forceinline__ void st_shared_v4(uint32_t address, uint4 v) {
                : "memory");
 }
 
+__device__ __forceinline__ void st_shared_v2(uint32_t address, uint2 v) {
+  asm volatile("st.shared.v2.u32 [%0], {%1, %2};" ::"r"(address), "r"(v.x), "r"(v.y) : "memory");
+}
+
 template <typename scalar_t>
 __device__ __forceinline__ scalar_t ld_shared_16(uint32_t address) {
   unsigned short bits;

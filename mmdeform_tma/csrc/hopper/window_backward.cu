@@ -207,17 +207,6 @@ constexpr bool mma_built(int element_size, int64_t channels) {
 }
 constexpr int kMmaMaxKSteps = kMmaMaxSlots / 16;
 
-// The weights' scale in A for fp16: a (slot, cell) entry sums at most `points` weights of |a| <= 1
-// (larger ones take the direct path), so 2^15 / points keeps it finite and its lo part normal
-// down to weights of about 2^-17 points. bf16 has fp32's range and needs none.
-template <typename scalar_t>
-__host__ __device__ constexpr float mma_weight_scale(int points) {
-  if constexpr (!std::is_same_v<scalar_t, __half>) return 1.0f;
-  float scale = 32768.0f;
-  for (int p = 1; p < points; p <<= 1) scale *= 0.5f;
-  return scale;
-}
-
 #if MMDEFORM_TMA_HOPPER_DEVICE
 
 // Adds weight x scale to A[slot][cell] (hi and lo). Only this team writes the slot's row, one
@@ -230,6 +219,50 @@ __device__ __forceinline__ void add_mma_weight(uint32_t smem_base, const LaunchS
       split_weight<scalar_t>(to_float(ld_shared_16<scalar_t>(hi)) + to_float(ld_shared_16<scalar_t>(lo)) + weight);
   st_shared_16(hi, sum.hi);
   st_shared_16(lo, sum.lo);
+}
+
+// The MMA kernel's lanes hold a row in two halves: lane l of a team has channels [h l, h l + h)
+// and [C / 2 + h l, C / 2 + h l + h), h = 4 (two 8-byte chunks). A point's direct contributions
+// then leave as two vector reductions that each cover whole 32-byte sectors across the team, as
+// the 8-byte-lane kernels' do; one 16-byte chunk per lane would cover half of every sector twice,
+// twice the L2 operations on the path that uniform sampling (no window pays) takes for every point.
+struct SplitLane {
+  int lo, hi;  // the lane's first channel of each half
+};
+
+// A corner's two halves from global memory (through L1), or from the zero block when `valid` is 0;
+// the second half lies `half_bytes` after the first. Volatile: never moved above the wait that
+// makes the stage visible.
+__device__ __forceinline__ Chunk<16> load_split_corner(uint32_t valid, uint32_t zero, const void* global,
+                                                       uint32_t half_bytes) {
+  Chunk<16> c;
+  asm volatile(
+      "{\n .reg .pred p;\n .reg .b64 g;\n .reg .b32 z;\n setp.ne.u32 p, %4, 0;\n"
+      " cvt.u64.u32 g, %7;\n add.s64 g, g, %5;\n add.u32 z, %6, %7;\n"
+      " @p ld.global.nc.v2.u32 {%0, %1}, [%5];\n"
+      " @p ld.global.nc.v2.u32 {%2, %3}, [g];\n"
+      " @!p ld.shared.v2.u32 {%0, %1}, [%6];\n"
+      " @!p ld.shared.v2.u32 {%2, %3}, [z];\n}"
+      : "=r"(c.r[0]), "=r"(c.r[1]), "=r"(c.r[2]), "=r"(c.r[3])
+      : "r"(valid), "l"(global), "r"(zero), "r"(half_bytes));
+  return c;
+}
+
+// The four corners of a point in the split layout; `value` points at the head's channel 0.
+template <typename scalar_t>
+__device__ __forceinline__ PointCorners<16> load_split_point(const WindowPoint<float>& m, const SplitLane& lane,
+                                                             uint32_t zeros, const scalar_t* value, int64_t key_stride,
+                                                             int64_t row_stride) {
+  const scalar_t* corner = value + static_cast<int64_t>(m.key) * key_stride + lane.lo;
+  const uint32_t zero = zeros + 2u * static_cast<uint32_t>(lane.lo);
+  const uint32_t half_bytes = 2u * static_cast<uint32_t>(lane.hi - lane.lo);
+  PointCorners<16> c;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const scalar_t* at = corner + ((k & 1) ? key_stride : 0) + ((k & 2) ? row_stride : 0);
+    c.corner[k] = load_split_corner(m.valid & (1u << k), zero, at, half_bytes);
+  }
+  return c;
 }
 
 // Reduces one 16 x 8 accumulator tile (window cells x channels) into the sink: lane pairs swap
@@ -359,7 +392,6 @@ __global__ void __launch_bounds__(kMaxThreads, kCtasPerSm)
   const uint32_t zeros = smem_address(ring.zeros());
   const uint32_t smem_base = smem_address(dynamic_smem);
   const int points = p.levels * p.points;
-  const float weight_scale = mma_weight_scale<scalar_t>(p.points);
 
   StageCursor at{static_cast<int>(blockIdx.x), 0, 0, 0u};
   Tile t{};
@@ -375,27 +407,40 @@ __global__ void __launch_bounds__(kMaxThreads, kCtasPerSm)
     const uint32_t window = smem_address(ring.window(at.stage));
     const int64_t head_offset = static_cast<int64_t>(t.head) * p.channels + cl.lane * VEC;
     const scalar_t* lane_value = p.value + head_offset;
+    const SplitLane split{cl.lane * (VEC / 2), p.channels / 2 + cl.lane * (VEC / 2)};  // MMA only
+    const int64_t head_column = static_cast<int64_t>(t.head) * p.channels;
     const int64_t row_stride = static_cast<int64_t>(w.width) * key_stride;
     for (int j = 0; j < s.slots_per_team; ++j) {
       const int slot = cl.team + j * cl.teams;
       const int query = tile_query(t, s, slot, p.queries);
       const int64_t row = (static_cast<int64_t>(t.batch) * p.queries + max(query, 0)) * p.heads + t.head;
-      coord_t* g_weights = grad_weights + row * points + at.level * p.points;
-      coord_t* g_locations = grad_locations + 2 * (row * points + at.level * p.points);
+      const int64_t first_point = row * points + at.level * p.points;  // of this slot's level, in grad_weights
       acc_t go[VEC];  // reloaded per level (an L1/L2 hit): registers stay free of the other queries
-      const Vec<scalar_t, VEC> go_raw = load_vec<scalar_t, VEC>(grad_output + row * p.channels + cl.lane * VEC);
-      to_acc(go_raw, go);
       bool finite_row = false;  // MMA: the slot's row is finite, so its window points may join A
       if constexpr (kMma) {
+        constexpr int kHalf = VEC / 2;
+        const scalar_t* go_row = grad_output + row * p.channels;
+        const Vec<scalar_t, kHalf> lo = load_vec<scalar_t, kHalf>(go_row + split.lo);
+        const Vec<scalar_t, kHalf> hi = load_vec<scalar_t, kHalf>(go_row + split.hi);
+        acc_t half[kHalf];
+        to_acc(lo, half);
+#pragma unroll
+        for (int k = 0; k < kHalf; ++k) go[k] = half[k];
+        to_acc(hi, half);
+#pragma unroll
+        for (int k = 0; k < kHalf; ++k) go[kHalf + k] = half[k];
         bool finite = query >= 0;
 #pragma unroll
         for (int k = 0; k < VEC; ++k) finite = finite && isfinite(go[k]);
         finite_row = warp_team_all(finite, s.team);
         if (at.level == 0) {  // the B operand: the row as it is, or zeros (never a NaN in the product)
-          const uint4 raw = *reinterpret_cast<const uint4*>(&go_raw);
-          st_shared_v4(smem_base + static_cast<uint32_t>(s.g_offset + slot * s.g_stride + cl.chunk_byte),
-                       finite_row ? raw : make_uint4(0u, 0u, 0u, 0u));
+          const uint32_t staged = smem_base + static_cast<uint32_t>(s.g_offset + slot * s.g_stride);
+          const uint2 raw_lo = *reinterpret_cast<const uint2*>(&lo), raw_hi = *reinterpret_cast<const uint2*>(&hi);
+          st_shared_v2(staged + 2u * static_cast<uint32_t>(split.lo), finite_row ? raw_lo : make_uint2(0u, 0u));
+          st_shared_v2(staged + 2u * static_cast<uint32_t>(split.hi), finite_row ? raw_hi : make_uint2(0u, 0u));
         }
+      } else {
+        to_acc(load_vec<scalar_t, VEC>(grad_output + row * p.channels + cl.lane * VEC), go);
       }
       if constexpr (kGather) {
         static_assert(VEC == 4 && std::is_same_v<acc_t, float>, "the gather stages rows as float4 lanes");
@@ -412,12 +457,27 @@ __global__ void __launch_bounds__(kMaxThreads, kCtasPerSm)
         // are zero): the warp stays converged for the shuffles below.
         const WindowPoint<coord_t> m = slot_meta[point];
         acc_t dot[4];
-        const auto corners =
-            load_point<scalar_t, VEC>(m, s.load_window && w.rows > 0, window, zeros, s, cl, lane_value, key_stride, row_stride);
+        PointCorners<kChunkBytes> corners;
+        if constexpr (kMma) {
+          corners = load_split_point(m, split, zeros, p.value + head_column, key_stride, row_stride);
+        } else {
+          corners = load_point<scalar_t, VEC>(m, s.load_window && w.rows > 0, window, zeros, s, cl, lane_value, key_stride,
+                                              row_stride);
+        }
         // Window points whose contributions are summed per cell below (gather, MMA).
         bool gathered = false;
         if constexpr (kGather) gathered = w.rows > 0 && m.cell >= 0;
-        if constexpr (kMma) gathered = w.rows > 0 && m.cell >= 0 && finite_row && fabsf(m.attention) <= 1.0f;
+        if constexpr (kMma) {
+          gathered = w.rows > 0 && m.cell >= 0 && finite_row && fabsf(m.attention) <= 1.0f;
+          if (gathered && cl.lane < 4) {  // lane c of the team adds corner c (first: fewer live registers)
+            const int c = cl.lane;
+            // selected, not indexed: a run-time index would put the metadata on the stack
+            const coord_t weight = c == 0 ? m.weight[0] : c == 1 ? m.weight[1] : c == 2 ? m.weight[2] : m.weight[3];
+            add_mma_weight<scalar_t>(smem_base, s, slot, m.cell + (c & 1) + ((c & 2) ? s.window_cols : 0),
+                                     static_cast<float>(weight) * s.weight_scale);
+          }
+          __syncwarp();  // the next point's lanes see these weights
+        }
         use_corners<scalar_t, VEC>(corners, [&](int c, const acc_t (&v)[VEC]) {
           dot[c] = acc_t(0);
 #pragma unroll
@@ -431,7 +491,19 @@ __global__ void __launch_bounds__(kMaxThreads, kCtasPerSm)
 #pragma unroll
           for (int k = 0; k < VEC; ++k) contribution[k] = weight * go[k];
           const int64_t key = static_cast<int64_t>(m.key) + (c & 1) + ((c & 2) ? w.width : 0);
-          sink.add(key * key_stride + head_offset, contribution);
+          if constexpr (kMma) {
+            constexpr int kHalf = VEC / 2;
+            acc_t lo[kHalf], hi[kHalf];
+#pragma unroll
+            for (int k = 0; k < kHalf; ++k) {
+              lo[k] = contribution[k];
+              hi[k] = contribution[kHalf + k];
+            }
+            sink.add(key * key_stride + head_column + split.lo, lo);
+            sink.add(key * key_stride + head_column + split.hi, hi);
+          } else {
+            sink.add(key * key_stride + head_offset, contribution);
+          }
         });
         const acc_t ly = m.ly, lx = m.lx, hy = acc_t(1) - ly, hx = acc_t(1) - lx;
         acc_t grad_a = hy * hx * dot[kTopLeft] + hy * lx * dot[kTopRight] + ly * hx * dot[kBottomLeft] +
@@ -443,19 +515,10 @@ __global__ void __launch_bounds__(kMaxThreads, kCtasPerSm)
         grad_y = warp_team_sum(grad_y, s.team);
         if (query >= 0 && cl.lane == 0) {  // a point that misses the level has zero gradients, even for a NaN row
           const bool sampled = m.valid != 0u;
-          g_weights[point] = sampled ? grad_a : coord_t(0);
-          g_locations[2 * point] = sampled ? m.attention * coord_t(w.width) * grad_x : coord_t(0);
-          g_locations[2 * point + 1] = sampled ? m.attention * coord_t(w.height) * grad_y : coord_t(0);
-        }
-        if constexpr (kMma) {
-          if (gathered && cl.lane < 4) {  // lane c of the team adds corner c
-            const int c = cl.lane;
-            // selected, not indexed: a run-time index would put the metadata on the stack
-            const coord_t weight = c == 0 ? m.weight[0] : c == 1 ? m.weight[1] : c == 2 ? m.weight[2] : m.weight[3];
-            add_mma_weight<scalar_t>(smem_base, s, slot, m.cell + (c & 1) + ((c & 2) ? s.window_cols : 0),
-                                     static_cast<float>(weight) * weight_scale);
-          }
-          __syncwarp();  // the next point's lanes see these weights
+          grad_weights[first_point + point] = sampled ? grad_a : coord_t(0);
+          coord_t* g_location = grad_locations + 2 * (first_point + point);
+          g_location[0] = sampled ? m.attention * coord_t(w.width) * grad_x : coord_t(0);
+          g_location[1] = sampled ? m.attention * coord_t(w.height) * grad_y : coord_t(0);
         }
       }
     }
@@ -464,7 +527,7 @@ __global__ void __launch_bounds__(kMaxThreads, kCtasPerSm)
         consumer_barrier(s.consumer_warps * 32);  // A and the staged rows are complete
         mbarrier_arrive(ring.empty(at.stage));
         reduce_window_mma<scalar_t>(smem_base, s, w, sink, key_stride, static_cast<int64_t>(t.head) * p.channels,
-                                    p.channels, 1.0f / weight_scale);
+                                    p.channels, s.inverse_weight_scale);
         consumer_barrier(s.consumer_warps * 32);  // every warp has read and zeroed its blocks of A
       } else {
         mbarrier_arrive(ring.empty(at.stage));

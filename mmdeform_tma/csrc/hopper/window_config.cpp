@@ -70,8 +70,9 @@ LaunchShape shape_for(const ProblemTensors& problem, const Config& config, int c
   s.pixel_tiles = problem.queries == problem.num_keys;
   s.stages = config.stages;
   s.meta_size = meta_size;
-  // The MMA's k-steps take 16 slots each, at most four.
-  s.mma = config.mma && mma_kernel && s.slots % 16 == 0 && s.slots <= kMmaMaxSlots;
+  // The MMA's k-steps take 16 slots each, at most four; its windows pay only where a tile's points
+  // cluster, on pixel blocks (strips of unordered queries run without a window).
+  s.mma = config.mma && mma_kernel && s.pixel_tiles && s.slots % 16 == 0 && s.slots <= kMmaMaxSlots;
   if (s.mma) {
     s.window_cols = s.window_rows = kMmaWindowSide;
   } else if (config.window_kbytes > 0) {
@@ -111,6 +112,12 @@ LaunchShape shape_for(const ProblemTensors& problem, const Config& config, int c
   s.g_offset = s.a_offset + 2 * s.a_bytes;
   s.g_stride = s.mma ? (static_cast<int>(problem.channels) + 8) * 2 : 0;
   s.barrier_offset = s.g_offset + (s.mma ? round128(s.slots * s.g_stride) : 0);
+  s.weight_scale = 1.0f;
+  if (s.mma && problem.value.scalar_type() == at::kHalf) {  // the largest power of two <= 2^15 / points
+    s.weight_scale = 32768.0f;
+    while (s.weight_scale > 1.0f && s.weight_scale * static_cast<float>(problem.points) > 32768.0f) s.weight_scale *= 0.5f;
+  }
+  s.inverse_weight_scale = 1.0f / s.weight_scale;
   s.total_bytes = s.barrier_offset + round128(2 * s.stages * 8) + 128;  // + alignment slack
   return s;
 }
