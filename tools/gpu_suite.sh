@@ -2,9 +2,11 @@
 # Build in place and run the GPU test suite and a short benchmark; logs go to $OUT (default ./gpu_out).
 # Usage: bash tools/gpu_suite.sh STEP...   (default: all = build tests bench)
 #   build                     pip install -e . with the PTXAS report ($OUT/ptxas.log). With BUILD_CACHE=DIR
-#                             the built extension is kept in DIR with its commit (MMDEFORM_TMA_COMMIT or
-#                             git's), and a later build of the same commit copies it back instead: a
-#                             device machine that stays warm between calls builds once
+#                             the built extension is kept in DIR with a hash of the sources it was built
+#                             from (setup.py and mmdeform_tma/csrc), and a later build of the same sources
+#                             copies it back instead: a device machine that stays warm between calls builds
+#                             once. (Not the commit: the device's copy of .git can be stale, and a stale key
+#                             once served an earlier build.)
 #   tests                     kernel tests per backend, then the rest of the suite
 #   kernels_tma kernels_tma_ws kernels_cuda   one backend's kernel tests
 #   fuzz integration          tests/test_fuzz.py; tests/integrations/test_mmdet_gpu.py, test_mask2former_gpu.py
@@ -45,16 +47,16 @@ has() { [[ " $steps " == *" $1 "* || ( " $steps " == *" all "* && " build tests 
 PYTEST="python3 -m pytest -q -rs -p no:cacheprovider --maxfail=20"
 
 if has build; then
-  commit=${MMDEFORM_TMA_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
-  if [ -n "${BUILD_CACHE:-}" ] && [ "$(cat "$BUILD_CACHE/COMMIT" 2>/dev/null)" = "$commit" ] && [ "$commit" != unknown ]; then
-    echo "=== build: the cached extension of $commit ($BUILD_CACHE)"
+  sources=$(find setup.py mmdeform_tma/csrc -type f | LC_ALL=C sort | xargs cat | sha1sum | cut -c1-16)
+  if [ -n "${BUILD_CACHE:-}" ] && [ "$(cat "$BUILD_CACHE/SOURCES" 2>/dev/null)" = "$sources" ]; then
+    echo "=== build: the cached extension of sources $sources ($BUILD_CACHE)"
     cp "$BUILD_CACHE"/_C*.so mmdeform_tma/
     export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the warm machine's editable install may point here too
   else
     run build ${BUILD_TIMEOUT:-600} env MMDEFORM_TMA_PTXAS_VERBOSE=1 python3 -m pip install --no-deps --no-build-isolation -v -e .
     grep -E "ptxas info|spill" "$OUT/build.log" >"$OUT/ptxas.log" || true
-    if [ -n "${BUILD_CACHE:-}" ] && [ "$commit" != unknown ] && ls mmdeform_tma/_C*.so >/dev/null 2>&1; then
-      rm -rf "$BUILD_CACHE" && mkdir -p "$BUILD_CACHE" && cp mmdeform_tma/_C*.so "$BUILD_CACHE"/ && echo "$commit" >"$BUILD_CACHE/COMMIT"
+    if [ -n "${BUILD_CACHE:-}" ] && ls mmdeform_tma/_C*.so >/dev/null 2>&1; then
+      rm -rf "$BUILD_CACHE" && mkdir -p "$BUILD_CACHE" && cp mmdeform_tma/_C*.so "$BUILD_CACHE"/ && echo "$sources" >"$BUILD_CACHE/SOURCES"
     fi
   fi
   run info 120 python3 -m mmdeform_tma.info
