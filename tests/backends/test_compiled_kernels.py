@@ -281,6 +281,28 @@ def test_kernel_side_checks_raise_instead_of_crashing(backend):
 WINDOW_CASES = [CASES[0], CASES[9], CASES[10]]  # a decoder, and two encoders (pixel-block tiles)
 
 
+def float64_answers(problem, dtype):
+    """The float64 output, a random grad_output of `dtype`, the float64 gradients for it and the
+    gradients with float32 sampling geometry."""
+    exact_inputs = [t.detach().double().requires_grad_() for t in (problem.value, problem.sampling_locations, problem.attention_weights)]
+    exact = gather_reference(exact_inputs[0], problem.spatial_shapes, problem.level_start_index, exact_inputs[1], exact_inputs[2])
+    grad_output = torch.randn(exact.shape, device="cuda", dtype=dtype)
+    exact_grads = torch.autograd.grad(exact, exact_inputs, grad_output.double())
+    return exact, grad_output, exact_grads, float32_geometry_grads(problem, grad_output)
+
+
+def check_backward_config(problem, answers, config: int, name: str, deterministic: bool) -> None:
+    """One tma_ws backward config through the op against float64; deterministic: bitwise twice."""
+    _, grad_output, exact_grads, geometry32 = answers
+    args = problem.args()
+    grads = torch.ops.mmdeform_tma.ms_deform_attn_backward(grad_output, *args, "tma_ws", config, deterministic)
+    if deterministic:
+        again = torch.ops.mmdeform_tma.ms_deform_attn_backward(grad_output, *args, "tma_ws", config, True)
+        assert all(torch.equal(a, b) for a, b in zip(grads, again)), name
+    for i, (what, got, want) in enumerate(zip(("grad_value", "grad_locations", "grad_weights"), grads, exact_grads)):
+        check(got, want, f"{name} deterministic={deterministic} {what}", geometry32[i] if i > 0 else None)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("case", WINDOW_CASES, ids=lambda c: c[0])
 def test_every_tma_ws_config_against_float64(case, dtype):
@@ -289,27 +311,17 @@ def test_every_tma_ws_config_against_float64(case, dtype):
     against float64: the autotuner may pick any of them."""
     problem = cuda_problem(case, dtype, seed=13)
     skip_unless_supported("tma_ws", validate(*problem.args()))
-    args = problem.args()
-    exact_inputs = [t.detach().double().requires_grad_() for t in (problem.value, problem.sampling_locations, problem.attention_weights)]
-    exact = gather_reference(exact_inputs[0], problem.spatial_shapes, problem.level_start_index, exact_inputs[1], exact_inputs[2])
-    grad_output = torch.randn(exact.shape, device="cuda", dtype=dtype)
-    exact_grads = torch.autograd.grad(exact, exact_inputs, grad_output.double())
-    geometry32 = float32_geometry_grads(problem, grad_output)
+    answers = float64_answers(problem, dtype)
     names = kernel_configs("tma_ws", "forward")
     assert len(names) >= 8
     for config, name in enumerate(names):
-        out = torch.ops.mmdeform_tma.ms_deform_attn_forward(*args, "tma_ws", config)
-        check(out, exact, f"{name} output")
+        out = torch.ops.mmdeform_tma.ms_deform_attn_forward(*problem.args(), "tma_ws", config)
+        check(out, answers[0], f"{name} output")
     backward_names = kernel_configs("tma_ws", "backward")
     assert backward_names[: len(names)] == names  # the backward-only configs come last
     for config, name in enumerate(backward_names):
         for deterministic in (False, True) if name.endswith("_g") or "_m16" in name else (False,):
-            grads = torch.ops.mmdeform_tma.ms_deform_attn_backward(grad_output, *args, "tma_ws", config, deterministic)
-            if deterministic:  # the per-cell sums run in the index's order: bitwise the same every run
-                again = torch.ops.mmdeform_tma.ms_deform_attn_backward(grad_output, *args, "tma_ws", config, True)
-                assert all(torch.equal(a, b) for a, b in zip(grads, again)), name
-            for i, (what, got, want) in enumerate(zip(("grad_value", "grad_locations", "grad_weights"), grads, exact_grads)):
-                check(got, want, f"{name} {what}", geometry32[i] if i > 0 else None)
+            check_backward_config(problem, answers, config, name, deterministic)
 
 
 def mma_configs() -> list[tuple[int, str]]:
@@ -320,25 +332,15 @@ def mma_configs() -> list[tuple[int, str]]:
 @pytest.mark.parametrize("case", [CASES[9], CASES[10], CASES[0]], ids=lambda c: c[0])
 def test_tma_ws_mma_backward_against_float64(case, dtype):
     """The tensor-core backward (`_m16` configs) in both of its dtypes: on encoders (pixel-block
-    tiles, windows: 32 and 64 channels) and a decoder (no window pays: the direct path), fast and
-    deterministic, the deterministic one bitwise the same twice."""
+    tiles with windows: 32 and 64 channels) and a decoder (strips: the configs run without a
+    window), fast and deterministic, the deterministic one bitwise the same twice."""
     problem = cuda_problem(case, dtype, seed=19)
     skip_unless_supported("tma_ws", validate(*problem.args()))
-    args = problem.args()
-    exact_inputs = [t.detach().double().requires_grad_() for t in (problem.value, problem.sampling_locations, problem.attention_weights)]
-    exact = gather_reference(exact_inputs[0], problem.spatial_shapes, problem.level_start_index, exact_inputs[1], exact_inputs[2])
-    grad_output = torch.randn(exact.shape, device="cuda", dtype=dtype)
-    exact_grads = torch.autograd.grad(exact, exact_inputs, grad_output.double())
-    geometry32 = float32_geometry_grads(problem, grad_output)
+    answers = float64_answers(problem, dtype)
     assert len(mma_configs()) >= 2
     for config, name in mma_configs():
         for deterministic in (False, True):
-            grads = torch.ops.mmdeform_tma.ms_deform_attn_backward(grad_output, *args, "tma_ws", config, deterministic)
-            if deterministic:
-                again = torch.ops.mmdeform_tma.ms_deform_attn_backward(grad_output, *args, "tma_ws", config, True)
-                assert all(torch.equal(a, b) for a, b in zip(grads, again)), name
-            for i, (what, got, want) in enumerate(zip(("grad_value", "grad_locations", "grad_weights"), grads, exact_grads)):
-                check(got, want, f"{name} deterministic={deterministic} {what}", geometry32[i] if i > 0 else None)
+            check_backward_config(problem, answers, config, name, deterministic)
 
 
 @pytest.mark.parametrize("deterministic", [False, True], ids=["fast", "deterministic"])
