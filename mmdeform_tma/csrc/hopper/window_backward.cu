@@ -20,8 +20,8 @@
 //
 // The MMA variant (configs with `mma`, fp16/bf16) sums on the tensor cores instead. Per stage the
 // consumer teams write each window point's four corner weights into a dense (slot x window cell)
-// matrix A, as hi + lo 16-bit parts (one 16-bit weight alone would cost the fp16 result about
-// 1.4x its rounding error); after a barrier, the window's value gradient is A^T (cells x slots)
+// matrix A, as hi + lo 16-bit parts (by estimate, one 16-bit weight alone would put the fp16
+// result at about 1.4x its rounding error, against the 1.5x allowed); after a barrier, the window's value gradient is A^T (cells x slots)
 // times the tile's output-gradient rows (slots x channels), and each warp reduces its cells' sums
 // once, skipping untouched cells. Per point the consumers keep only the dot products (corners via
 // L1) and the location and attention gradients: no reductions for window points. A warp zeroes
@@ -209,8 +209,8 @@ constexpr int kMmaMaxKSteps = kMmaMaxSlots / 16;
 
 #if MMDEFORM_TMA_HOPPER_DEVICE
 
-// Adds weight x scale to A[slot][cell] (hi and lo). Only this team writes the slot's row, one
-// point after another, so the read-modify-write needs no atomics.
+// Adds `weight` (scaled by the caller, LaunchShape::weight_scale) to A[slot][cell], hi and lo. Only
+// this team writes the slot's row, one point after another, so the read-modify-write needs no atomics.
 template <typename scalar_t>
 __device__ __forceinline__ void add_mma_weight(uint32_t smem_base, const LaunchShape& s, int slot, int cell, float weight) {
   const uint32_t hi = smem_base + static_cast<uint32_t>(s.a_offset + slot * s.a_stride + 2 * cell);
