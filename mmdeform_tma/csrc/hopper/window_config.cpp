@@ -39,8 +39,9 @@ int log2_exact(int x) {
 Config default_config(const ProblemTensors& problem, int team, bool backward, bool mma_kernel) {
   const bool pixel_tiles = problem.queries == problem.num_keys;
   if (backward && pixel_tiles && mma_kernel) {
-    // The MMA backward at 4 CTAs per SM: 0.79 ms against 1.06-1.09 for the best plain configs on
-    // the fp16 DETR encoder at bs 2, 3.03 against 4.20 at bs 8 (H100, 2026-11-24, perf_notes.md).
+    // The MMA backward at 4 CTAs per SM: 0.81 ms against 1.06 for the best plain config on the
+    // fp16 DETR encoder at bs 2, 3.14 against 4.20 at bs 8 (H100, 2026-11-24, commit 3366067;
+    // perf_notes.md, session 12).
     return Config{"auto", 4, 32, 2, 0, false, 4, true};
   }
   Config c{"auto", 4, backward ? 32 : 64, 3, backward && pixel_tiles ? 16 : 0};
@@ -145,7 +146,8 @@ const std::vector<Config>& configs() {
     // throughput where `cuda`'s backward, with twice the warps, reaches 90 % (perf_notes.md).
     list.push_back({"c4_t32_s2_w16_o4", 4, 32, 2, 16, false, 4});
     list.push_back({"c4_t16_s2_l1_o4", 4, 16, 2, 0, false, 4});
-    // Backward only, not measured yet: the MMA backward (16 x 16-cell accumulation windows).
+    // Backward only: the MMA backward (16 x 16-cell accumulation windows); the table's choice on
+    // fp16/bf16 encoders since session 12.
     list.push_back({"c4_t32_s2_m16", 4, 32, 2, 0, false, 3, true});
     list.push_back({"c4_t32_s3_m16", 4, 32, 3, 0, false, 3, true});
     list.push_back({"c4_t64_s2_m16", 4, 64, 2, 0, false, 3, true});

@@ -99,7 +99,7 @@ struct LaunchShape {
   int g_offset, g_stride;
   // fp16: a (slot, cell) entry of A sums at most `points` weights of |a| <= 1 (larger ones take the
   // direct path), so 2^15 / points keeps it finite and its lo part normal down to weights of about
-  // 2^-17 points. bf16 has fp32's range: 1. Read from the parameter bank, not a register.
+  // points x 2^-18. bf16 has fp32's range: 1. Read from the parameter bank, not a register.
   float weight_scale, inverse_weight_scale;
 };
 
