@@ -4,7 +4,8 @@
     python tools/profile_ncu.py --backends tma_ws --backward-configs c4_t32_s2_w16 c4_t32_s2_w16_g
 
 Runs ncu (--clock-control none: the card's clocks stay as they are) on one forward and one
-backward of every available compiled backend and of mmcv, and prints per kernel: duration, DRAM
+backward of every available compiled backend and of mmcv (or of the `--backends` named; `dcnv4`
+is DCNv4's FlashDeformAttn, a benchmark dependency: tools/dcnv4_compare.py), and prints per kernel: duration, DRAM
 throughput, L2 and L1 hit rates, L2 throughput, achieved occupancy and the top warp stall reasons.
 `--backward-configs` profiles named kernel configs of one backend's backward instead (the names
 `tools/autotune.py` reports), each with its own launch, to set two variants side by side.
@@ -57,11 +58,22 @@ def child(args) -> None:
     if args.backward_configs:
         backward_configs(args, value, shapes_t, starts, loc, attn)
         return
-    leaves = [value.requires_grad_(), loc.requires_grad_(), attn.requires_grad_()]
     for backend in args.backends:
+        if backend == "dcnv4":  # a compared foreign kernel, in its own input convention
+            import dcnv4_compare
+
+            bound = dcnv4_compare.bind(dcnv4_compare.load(), (value, shapes_t, starts, loc, attn))
+            leaves = [t.detach().requires_grad_() for t in bound.leaves]
+            call = lambda: bound.run(*leaves)  # noqa: E731
+        else:
+            leaves = [t.detach().requires_grad_() for t in (value, loc, attn)]
+            call = lambda: mmdeform_tma.multi_scale_deformable_attn(  # noqa: E731
+                leaves[0], shapes_t, starts, leaves[1], leaves[2], backend=backend
+            )
         for _ in range(2):  # the second iteration is the one profiled (launch-skip below)
-            out = mmdeform_tma.multi_scale_deformable_attn(leaves[0], shapes_t, starts, leaves[1], leaves[2], backend=backend)
-            torch.autograd.grad(out, leaves, torch.ones_like(out))
+            out = call()
+            if not args.forward_only:
+                torch.autograd.grad(out, leaves, torch.randn_like(out))
         torch.cuda.synchronize()
 
 
@@ -87,6 +99,7 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="float16")
     p.add_argument("--backends", nargs="*", default=None)
     p.add_argument("--backward-configs", nargs="*", default=None, help="named backward configs of one backend")
+    p.add_argument("--forward-only", action="store_true", help="profile the forwards alone")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", type=Path, default=Path("bench_results/ncu.csv"))
     args = p.parse_args(argv)
@@ -107,6 +120,7 @@ def main(argv=None) -> int:
         ncu, "--clock-control", "none", "--target-processes", "all", "--kernel-name", KERNELS,
         "--metrics", ",".join([*METRICS, *STALL_METRICS]), "--csv", "--page", "raw",
         sys.executable, __file__, "--child", "--preset", args.preset, "--dtype", args.dtype, "--backends", *args.backends,
+        *(["--forward-only"] if args.forward_only else []),
         *(["--backward-configs", *args.backward_configs] if args.backward_configs else []),
     ]
     result = subprocess.run(command, capture_output=True, text=True)
