@@ -2,6 +2,7 @@
 
     python tools/profile_ncu.py --preset detr_enc_bs2 --dtype float16
     python tools/profile_ncu.py --backends tma_ws --backward-configs c4_t32_s2_w16 c4_t32_s2_w16_g
+    python tools/profile_ncu.py --backends tma_ws --forward-configs c4_t64_s3_l1 c4_t32_s2_w16
 
 Runs ncu (--clock-control none: the card's clocks stay as they are) on one forward and one
 backward of every available compiled backend and of mmcv (or of the `--backends` named; `dcnv4`
@@ -55,8 +56,8 @@ def child(args) -> None:
 
     device = torch.device("cuda")
     value, shapes_t, starts, loc, attn = make_inputs(PRESETS[args.preset], DTYPES[args.dtype], "local", device, 0)
-    if args.backward_configs:
-        backward_configs(args, value, shapes_t, starts, loc, attn)
+    if args.backward_configs or args.forward_configs:
+        named_configs(args, value, shapes_t, starts, loc, attn)
         return
     for backend in args.backends:
         if backend == "dcnv4":  # a compared foreign kernel, in its own input convention
@@ -77,19 +78,25 @@ def child(args) -> None:
         torch.cuda.synchronize()
 
 
-def backward_configs(args, value, shapes_t, starts, loc, attn) -> None:
-    """Each named backward config of the one backend, run twice (the second is profiled)."""
+def named_configs(args, value, shapes_t, starts, loc, attn) -> None:
+    """Each named config of the one backend, forward or backward, run twice (the second is profiled)."""
     from mmdeform_tma import _extension
 
     (backend,) = args.backends
-    names = _extension.kernel_configs(backend, "backward")
-    missing = [c for c in args.backward_configs if c not in names]
+    direction = "backward" if args.backward_configs else "forward"
+    wanted = args.backward_configs or args.forward_configs
+    names = _extension.kernel_configs(backend, direction)
+    missing = [c for c in wanted if c not in names]
     if missing:
-        raise SystemExit(f"{backend} has no backward config {', '.join(missing)}; it has {', '.join(names)}")
+        raise SystemExit(f"{backend} has no {direction} config {', '.join(missing)}; it has {', '.join(names)}")
     grad = torch.randn(value.shape[0], loc.shape[1], value.shape[2] * value.shape[3], device=value.device, dtype=value.dtype)
-    for name in args.backward_configs:
+    ops = torch.ops.mmdeform_tma
+    for name in wanted:
         for _ in range(2):
-            torch.ops.mmdeform_tma.ms_deform_attn_backward(grad, value, shapes_t, starts, loc, attn, backend, names.index(name), False)
+            if direction == "backward":
+                ops.ms_deform_attn_backward(grad, value, shapes_t, starts, loc, attn, backend, names.index(name), False)
+            else:
+                ops.ms_deform_attn_forward(value, shapes_t, starts, loc, attn, backend, names.index(name))
         torch.cuda.synchronize()
 
 
@@ -99,6 +106,7 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="float16")
     p.add_argument("--backends", nargs="*", default=None)
     p.add_argument("--backward-configs", nargs="*", default=None, help="named backward configs of one backend")
+    p.add_argument("--forward-configs", nargs="*", default=None, help="named forward configs of one backend")
     p.add_argument("--forward-only", action="store_true", help="profile the forwards alone")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", type=Path, default=Path("bench_results/ncu.csv"))
@@ -107,8 +115,10 @@ def main(argv=None) -> int:
         import mmdeform_tma
 
         args.backends = [b for b in ("cuda", "tma", "tma_ws", "mmcv") if b in mmdeform_tma.available_backends("cuda")]
-    if args.backward_configs and len(args.backends) != 1:
-        p.error("--backward-configs names configs of one backend: give exactly one in --backends")
+    if (args.backward_configs or args.forward_configs) and len(args.backends) != 1:
+        p.error("--backward-configs / --forward-configs name configs of one backend: give exactly one in --backends")
+    if args.backward_configs and args.forward_configs:
+        p.error("--backward-configs and --forward-configs: one direction per run")
     if args.child:
         child(args)
         return 0
@@ -122,6 +132,7 @@ def main(argv=None) -> int:
         sys.executable, __file__, "--child", "--preset", args.preset, "--dtype", args.dtype, "--backends", *args.backends,
         *(["--forward-only"] if args.forward_only else []),
         *(["--backward-configs", *args.backward_configs] if args.backward_configs else []),
+        *(["--forward-configs", *args.forward_configs] if args.forward_configs else []),
     ]
     result = subprocess.run(command, capture_output=True, text=True)
     text = result.stdout[result.stdout.find('"ID"'):] if '"ID"' in result.stdout else ""
@@ -134,9 +145,10 @@ def main(argv=None) -> int:
     seen = {}
     for row in rows:  # keep the last (warm) launch of each kernel name
         seen[row["Kernel Name"][:90]] = row
-    if args.backward_configs:  # configs of one kernel may share its name: every launch, in order
+    named = args.backward_configs or args.forward_configs
+    if named:  # configs of one kernel may share its name: every launch, in order
         seen = {f"#{i} {row['Kernel Name'][:80]}": row for i, row in enumerate(rows)}
-        print(f"launch order: each of {', '.join(args.backward_configs)} twice, in that order")
+        print(f"launch order: each of {', '.join(named)} twice, in that order")
     header = ["kernel", *METRICS.values(), "top stalls (cycles per issue)"]
     table = []
     for name, row in seen.items():

@@ -368,3 +368,42 @@ def test_tma_ws_mma_backward_non_finite_rows_and_large_weights(deterministic):
         assert torch.equal(torch.isnan(got), torch.isnan(want)), name
         assert torch.equal(torch.isinf(got), torch.isinf(want)) and torch.equal(got[torch.isinf(want)], want[torch.isinf(want)].half()), name
         check(got[finite], want[finite], f"{name} finite grad_value")
+
+
+def window_forward_configs() -> list[tuple[int, str]]:
+    return [(i, n) for i, n in enumerate(kernel_configs("tma_ws", "forward")) if "_w" in n]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64], ids=str)
+@pytest.mark.parametrize("case", WINDOW_CASES + [CASES[11]], ids=lambda c: c[0])
+def test_tma_ws_window_forward_configs_against_float64(case, dtype):
+    """The window forwards (`_w16` configs: the pair-lane kernel where the head row is 32-256 bytes,
+    else the per-point one) in the dtypes the every-config test leaves out, on encoders (windows)
+    and a decoder (strips), and with 8 channels (16-byte bf16 rows: no pair kernel)."""
+    problem = cuda_problem(case, dtype, seed=29)
+    skip_unless_supported("tma_ws", validate(*problem.args()))
+    exact = gather_reference(*[t.double() if t.is_floating_point() else t for t in problem.args()])
+    assert len(window_forward_configs()) >= 4
+    for config, name in window_forward_configs():
+        out = torch.ops.mmdeform_tma.ms_deform_attn_forward(*problem.args(), "tma_ws", config)
+        check(out, exact, f"{name} output")
+
+
+def test_tma_ws_window_forward_non_finite_values():
+    """A NaN or Inf in value reaches exactly the outputs the reference's does through every window
+    forward, from inside a window (shared memory) as from outside it (global memory)."""
+    problem = cuda_problem(CASES[9], torch.float16, seed=31)
+    skip_unless_supported("tma_ws", validate(*problem.args()))
+    value = problem.value.clone()
+    value[0, 100, 3] = float("nan")  # level 0, inside the encoder's windows
+    value[1, 900, 5] = float("inf")
+    value[1, 1140, 2] = -float("inf")  # the coarsest level
+    args = (value, problem.spatial_shapes, problem.level_start_index, problem.sampling_locations, problem.attention_weights)
+    expected = gather_reference(*[t.double() if t.is_floating_point() else t for t in args])
+    finite = torch.isfinite(expected)
+    assert (~finite).any() and finite.any()
+    for config, name in window_forward_configs():
+        out = torch.ops.mmdeform_tma.ms_deform_attn_forward(*args, "tma_ws", config)
+        assert torch.equal(torch.isnan(out), torch.isnan(expected)), name
+        assert torch.equal(torch.isinf(out), torch.isinf(expected)), name
+        check(out[finite], expected[finite], f"{name} finite output")

@@ -485,6 +485,17 @@ def test_profile_ncu_backward_configs_need_exactly_one_backend(capsys):
     assert "exactly one" in capsys.readouterr().err
 
 
+def test_profile_ncu_forward_configs_need_exactly_one_backend_and_direction(capsys):
+    import profile_ncu
+
+    with pytest.raises(SystemExit):
+        profile_ncu.main(["--backends", "tma_ws", "cuda", "--forward-configs", "c4_t32_s2_w16"])
+    assert "exactly one" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        profile_ncu.main(["--backends", "tma_ws", "--forward-configs", "c4_t32_s2_w16", "--backward-configs", "c4_t32_s2_w16"])
+    assert "one direction per run" in capsys.readouterr().err
+
+
 def test_benchmark_e2e_rotates_image_sizes_and_counts_compiled_graphs(tmp_path):
     """Several sizes, as multi-scale training feeds them: every step takes the next size (the second
     one makes the compiled modules recompile, 8 graphs for one size: 4 modules x train and eval)."""

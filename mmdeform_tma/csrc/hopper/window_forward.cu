@@ -346,6 +346,316 @@ __global__ void __maxnreg__(lean_max_registers<scalar_t>()) forward_lean_kernel(
 #endif
 }
 
+// ---------------------------------------------------------------------------------------------
+// Pair-lane windowed forward: the kernel for window configs (`_w16`) of problems that fit 32-bit
+// offsets and whose head row is a multiple of 32 bytes and at most 256. ncu on the windowless
+// kernel (H100, 2026-11-24, perf_notes.md session 13) had L1 at 80 % of its throughput: each
+// 16-byte gather instruction touches 8 rows of 64 bytes in 8 different lines, one wavefront each.
+// A value window in shared memory can serve two rows per wavefront, but only if the 8 lanes of a
+// quarter-warp read 128 contiguous bytes; a lane per (point, channel chunk) as the other kernels
+// have puts two unrelated rows in a quarter-warp, which share the 32 banks only half the time.
+// Here a team of 2 x row_bytes / 16 lanes takes one point: its left half reads the left corners
+// (top-left, then bottom-left), its right half the right ones, so a quarter-warp reads a corner
+// pair, adjacent cells of a window row. The halves sum their partial outputs at the tile's end.
+//
+// Per stage point i the producer leaves weights[i] in pair order (top-left, bottom-left,
+// top-right, bottom-right: one 8-byte load per half) and words[i]: for a window point (all four
+// corners inside the level and the window) the top-left cell's byte offset in the window, with
+// bits 0-4 set; for any other point the windowless kernel's word (the top-left corner's byte
+// offset in value and the corners' validity bits 0-3; bit 4 clear). xys[i] holds the top-left
+// corner (x0 + 1, y0 + 1) for the producer's own window pass.
+
+template <typename coord_t>
+constexpr int pair_meta_size() {
+  return static_cast<int>(sizeof(CornerWeights<coord_t>) + 3 * sizeof(uint32_t));
+}
+
+template <typename coord_t>
+struct PairStage {
+  CornerWeights<coord_t>* weights;
+  uint32_t* words;
+  uint32_t* xys;
+  int* rows;
+};
+
+template <typename coord_t>
+__device__ __forceinline__ PairStage<coord_t> pair_stage(const Ring<coord_t>& ring, int stage, int n) {
+  char* base = reinterpret_cast<char*>(ring.meta(stage));
+  uint32_t* words = reinterpret_cast<uint32_t*>(base + n * static_cast<int>(sizeof(CornerWeights<coord_t>)));
+  return {reinterpret_cast<CornerWeights<coord_t>*>(base), words, words + n, reinterpret_cast<int*>(words + 2 * n)};
+}
+
+// The stage header: one level row's bytes in value, and the window rows loaded (0: no window).
+struct PairHeader {
+  uint32_t down;
+  int window_rows;
+};
+
+constexpr uint32_t kWindowPoint = 0x1Fu;  // a window point's low word bits (the four corners and the flag)
+
+#if MMDEFORM_TMA_HOPPER_DEVICE
+
+// One stage of the pair kernel's producer: the windowless producer's points, then the window over
+// their corners (placed as produce_stage places it), the window points' words, and the TMA boxes.
+template <typename scalar_t>
+__device__ __forceinline__ void produce_pair_stage(const Problem<scalar_t>& p, const Ring<coord_type<scalar_t>>& ring,
+                                                   const CUtensorMap* map, const Tile& t, int level, int stage,
+                                                   uint32_t key_bytes) {
+  using coord_t = coord_type<scalar_t>;
+  const LaunchShape& s = *ring.s;
+  const int lane = threadIdx.x & 31;
+  const LevelGeometry g = level_geometry(p.spatial_shapes, p.level_start, level);
+  const int n = s.slots * p.points;
+  const PairStage<coord_t> meta = pair_stage(ring, stage, n);
+  const int key0 = t.batch * p.num_keys + static_cast<int>(g.start);
+  const uint32_t column = static_cast<uint32_t>(t.head * s.row_bytes);
+  const int query_stride = p.heads * p.levels * p.points;
+  const int at0 = ((t.batch * p.queries * p.heads + t.head) * p.levels + level) * p.points;
+
+  constexpr int kBatch = 8;
+  const float inv_points = 1.0f / static_cast<float>(p.points);  // exact slot = i / points for i < 2^20
+  int min_x = INT_MAX, min_y = INT_MAX, max_x = INT_MIN, max_y = INT_MIN;
+  for (int first = 0; first < n; first += 32 * kBatch) {
+    coord_t x[kBatch], y[kBatch], a[kBatch];
+    bool present[kBatch];
+#pragma unroll
+    for (int k = 0; k < kBatch; ++k) {
+      const int i = first + 32 * k + lane;
+      const int slot = static_cast<int>((static_cast<float>(i) + 0.5f) * inv_points);
+      const int query = i < n ? tile_query(t, s, slot, p.queries) : -1;
+      present[k] = query >= 0;
+      x[k] = y[k] = a[k] = coord_t(0);
+      if (present[k]) {
+        const int at = at0 + query * query_stride + (i - slot * p.points);
+        x[k] = p.locations[2 * at];
+        y[k] = p.locations[2 * at + 1];
+        a[k] = p.weights[at];
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < kBatch; ++k) {
+      const int i = first + 32 * k + lane;
+      if (i >= n) break;
+      // As the windowless producer: a point that misses the level keeps weight a on every corner
+      // and reads zeros; an empty slot has weight 0.
+      CornerWeights<coord_t> w;
+      w.w[0] = w.w[1] = w.w[2] = w.w[3] = a[k];
+      uint32_t word = 0u, xy = 0u;
+      if (present[k]) {
+        const Bilinear<coord_t> bl = bilinear(x[k], y[k], g.height, g.width);
+        if (bl.valid) {
+          word = (static_cast<uint32_t>(key0 + bl.y0 * g.width + bl.x0) * key_bytes + column) | bl.valid;
+          xy = (static_cast<uint32_t>(bl.y0 + 1) << 16) | static_cast<uint32_t>(bl.x0 + 1);
+          w.w[0] = a[k] * bl.weight(kTopLeft);
+          w.w[1] = a[k] * bl.weight(kBottomLeft);
+          w.w[2] = a[k] * bl.weight(kTopRight);
+          w.w[3] = a[k] * bl.weight(kBottomRight);
+          min_x = min(min_x, max(bl.x0, 0));
+          max_x = max(max_x, min(bl.x0 + 1, g.width - 1));
+          min_y = min(min_y, max(bl.y0, 0));
+          max_y = max(max_y, min(bl.y0 + 1, g.height - 1));
+        }
+      }
+      meta.weights[i] = w;
+      meta.words[i] = word;
+      meta.xys[i] = xy;
+    }
+  }
+  min_x = __reduce_min_sync(0xffffffffu, min_x);
+  max_x = __reduce_max_sync(0xffffffffu, max_x);
+  min_y = __reduce_min_sync(0xffffffffu, min_y);
+  max_y = __reduce_max_sync(0xffffffffu, max_y);
+
+  int rows = 0, cols = 0, wx0 = 0, wy0 = 0;
+  if (min_x <= max_x) {
+    wx0 = max_x - min_x < s.window_cols ? min_x : max(0, min(g.width - s.window_cols, (min_x + max_x + 1 - s.window_cols) / 2));
+    wy0 = max_y - min_y < s.window_rows ? min_y : max(0, min(g.height - s.window_rows, (min_y + max_y + 1 - s.window_rows) / 2));
+    rows = min(s.window_rows, max_y - wy0 + 1);
+    cols = min(s.window_cols, g.width - wx0);
+  }
+  // Window points, as bits of `inside` (a lane's points i = lane + 32 k, k < 32: n <= 1024).
+  __syncwarp();  // every lane's words and corners are written
+  uint32_t inside = 0u;
+  if (rows > 0) {
+    for (int i = lane, k = 0; i < n; i += 32, ++k) {
+      const uint32_t xy = meta.xys[i];
+      const int x0 = static_cast<int>(xy & 0xFFFFu) - 1, y0 = static_cast<int>(xy >> 16) - 1;
+      if ((meta.words[i] & 0xFu) == 0xFu && x0 >= wx0 && x0 + 1 < wx0 + cols && y0 >= wy0 && y0 + 1 < wy0 + rows) {
+        inside |= 1u << k;
+      }
+    }
+    // A window pays when the corner reads it serves are at least the cells it loads.
+    if (4 * __reduce_add_sync(0xffffffffu, __popc(inside)) < rows * cols) rows = 0;
+  }
+  if (rows > 0) {
+    for (int i = lane, k = 0; i < n; i += 32, ++k) {
+      if (inside & (1u << k)) {
+        const uint32_t xy = meta.xys[i];
+        const int x0 = static_cast<int>(xy & 0xFFFFu) - 1, y0 = static_cast<int>(xy >> 16) - 1;
+        meta.words[i] = static_cast<uint32_t>(((y0 - wy0) * s.window_cols + (x0 - wx0)) * s.row_bytes) | kWindowPoint;
+      }
+    }
+  }
+  if (level == p.levels - 1) {
+    for (int slot = lane; slot < s.slots; slot += 32) {
+      const int query = tile_query(t, s, slot, p.queries);
+      meta.rows[slot] = query >= 0 ? (t.batch * p.queries + query) * p.heads + t.head : -1;
+    }
+  }
+  if (lane == 0) *reinterpret_cast<PairHeader*>(ring.header(stage)) = PairHeader{static_cast<uint32_t>(g.width) * key_bytes, rows};
+  const uint32_t bytes = static_cast<uint32_t>(rows * s.window_cols * s.row_bytes);
+  if (lane == 0) {
+    mbarrier_arrive_expect_tx(ring.full(stage), bytes);
+  } else {
+    mbarrier_arrive(ring.full(stage));
+  }
+  if (rows > 0) {
+    __syncwarp();  // the expected bytes are posted before any box lands
+    fence_proxy_async_shared();
+    const int first_key = key0 + wy0 * g.width + wx0;
+    for (int r = lane; r < rows; r += 32) {
+      tma_load_2d(ring.window(stage) + r * s.window_cols * s.row_bytes, map, t.head * p.channels, first_key + r * g.width,
+                  ring.full(stage));
+    }
+  }
+}
+
+// One row of a lane's corner pair: from the window or the zero block (`from_shared`, address
+// `shared`), else from global memory. Exactly one of the two loads runs. Volatile: never moved
+// above the wait that makes the stage visible.
+__device__ __forceinline__ Chunk<16> load_pair_row(bool from_shared, uint32_t shared, const char* global) {
+  Chunk<16> c;
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.u32 p, %4, 0;\n"
+      " @p ld.shared.v4.u32 {%0, %1, %2, %3}, [%5];\n"
+      " @!p ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%6];\n}"
+      : "=r"(c.r[0]), "=r"(c.r[1]), "=r"(c.r[2]), "=r"(c.r[3])
+      : "r"(static_cast<uint32_t>(from_shared)), "r"(shared), "l"(global));
+  return c;
+}
+
+#endif  // MMDEFORM_TMA_HOPPER_DEVICE
+
+template <typename scalar_t>
+__global__ void __maxnreg__(lean_max_registers<scalar_t>()) forward_pair_kernel(
+    const __grid_constant__ CUtensorMap value_map, const __grid_constant__ Problem<scalar_t> p,
+    const __grid_constant__ LaunchShape s, scalar_t* __restrict__ output) {
+#if MMDEFORM_TMA_HOPPER_DEVICE
+  using coord_t = coord_type<scalar_t>;
+  using acc_t = acc_type<scalar_t>;
+  constexpr int VEC = kVec<scalar_t>;
+  constexpr int kSlots = max_forward_slots_per_team(VEC);
+  extern __shared__ __align__(128) char dynamic_smem[];
+
+  if (!level_metadata_ok(p, output)) return;
+  const Ring<coord_t> ring{dynamic_smem, &s};
+  const int groups = tile_groups(p, s);
+  const int num_tiles = tile_count(p, groups);
+  const uint32_t key_bytes = static_cast<uint32_t>(p.heads * s.row_bytes);
+  const int n = s.slots * p.points;
+  init_ring(ring, &value_map);
+  if (threadIdx.x < 32) {
+    StageCursor at{static_cast<int>(blockIdx.x), 0, 0, 0u};
+    Tile t{};
+    while (at.tile < num_tiles) {
+      if (at.level == 0) t = tile_at(p, s, groups, at.tile);
+      if (at.round > 0) mbarrier_wait(ring.empty(at.stage), (at.round - 1) & 1u);
+      produce_pair_stage(p, ring, &value_map, t, at.level, at.stage, key_bytes);
+      at.advance(p.levels, s.stages);
+    }
+    return;
+  }
+
+  // A team (s.team lanes) takes a point; lanes [0, half) of it read its left corners, the others
+  // its right ones, each lane a 16-byte chunk of the row.
+  const int lane = threadIdx.x & 31, warp = threadIdx.x / 32 - 1;
+  const int half = s.team / 2;
+  const int team = warp * (32 / s.team) + lane / s.team, teams = s.consumer_warps * (32 / s.team);
+  const int side = (lane % s.team) / half;
+  const uint32_t chunk = static_cast<uint32_t>((lane % half) * kChunkBytes);
+  const uint32_t window_side = static_cast<uint32_t>(side * s.row_bytes) + chunk;
+  const uint32_t global_side = static_cast<uint32_t>(side) * key_bytes + chunk;
+  const uint32_t window_row = static_cast<uint32_t>(s.window_cols * s.row_bytes);
+  const uint32_t zeros = smem_address(ring.zeros()) + chunk;
+  const char* values = reinterpret_cast<const char*>(p.value);
+  int stage = 0;
+  uint32_t phase = 0u;
+  for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
+    acc_t acc[kSlots][VEC];
+#pragma unroll
+    for (int j = 0; j < kSlots; ++j)
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) acc[j][k] = acc_t(0);
+    for (int level = 0;; ++level) {
+      mbarrier_wait(ring.full(stage), phase);
+      const PairHeader header = *reinterpret_cast<const PairHeader*>(ring.header(stage));
+      const uint32_t window = smem_address(ring.window(stage)) + window_side;
+      const PairStage<coord_t> meta = pair_stage(ring, stage, n);
+#pragma unroll
+      for (int j = 0; j < kSlots; ++j) {
+        if (j >= s.slots_per_team) break;
+        const int first = (team + j * teams) * p.points;
+#pragma unroll 1
+        for (int point = 0; point < p.points; ++point) {  // branch-free: a missing point reads zeros
+          const uint32_t word = meta.words[first + point];
+          const coord_t* pair = meta.weights[first + point].w + 2 * side;
+          const coord_t top_weight = pair[0], bottom_weight = pair[1];
+          const bool in_window = (word & kWindowPoint) == kWindowPoint;
+          const uint32_t offset = word & ~31u;
+          const uint32_t top = offset + global_side;
+          const bool top_zero = !(word & (1u << side)), bottom_zero = !(word & (4u << side));
+          Chunk<kChunkBytes> c[2];
+          c[0] = load_pair_row(in_window || top_zero, in_window ? window + offset : zeros, values + top);
+          c[1] = load_pair_row(in_window || bottom_zero, in_window ? window + offset + window_row : zeros,
+                               values + (top + header.down));
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            acc_t v[VEC];
+            chunk_to_acc<scalar_t, VEC>(c[r], v);
+            const acc_t weight = static_cast<acc_t>(r == 0 ? top_weight : bottom_weight);
+#pragma unroll
+            for (int k = 0; k < VEC; ++k) acc[j][k] = fma(weight, v[k], acc[j][k]);
+          }
+        }
+      }
+      const bool last = level == p.levels - 1;
+      int rows[kSlots];
+#pragma unroll
+      for (int j = 0; j < kSlots; ++j) {
+        rows[j] = last && j < s.slots_per_team ? meta.rows[team + j * teams] : -1;  // read before the release
+      }
+      mbarrier_arrive(ring.empty(stage));
+      if (++stage == s.stages) {
+        stage = 0;
+        phase ^= 1u;
+      }
+      if (last) {
+#pragma unroll
+        for (int j = 0; j < kSlots; ++j) {
+          // The two halves' sums: left corners plus right corners, in every level's order.
+#pragma unroll
+          for (int k = 0; k < VEC; ++k) acc[j][k] += __shfl_xor_sync(0xffffffffu, acc[j][k], half);
+          if (rows[j] >= 0 && side == 0) {
+            store_vec(output + static_cast<int64_t>(rows[j]) * p.channels + (lane % half) * VEC,
+                      from_acc_vec<scalar_t, VEC>(acc[j]));
+          }
+        }
+        break;
+      }
+    }
+  }
+#else
+  __trap();
+#endif
+}
+
+// The pair kernel's rows: 32, 64, 128 or 256 bytes, so that bit 4 of a word is free and a team
+// (row_bytes / 8 lanes) divides the warp.
+bool pair_fits(const ProblemTensors& problem) {
+  const int64_t row_bytes = problem.channels * problem.value.element_size();
+  return row_bytes >= 32 && row_bytes <= 256 && (row_bytes & (row_bytes - 1)) == 0;
+}
+
 // 32-bit offsets hold every value byte and location index of the problem.
 bool lean_fits(const ProblemTensors& problem) {
   constexpr int64_t kLimit = int64_t{1} << 31;
@@ -369,6 +679,10 @@ at::Tensor forward(const ProblemTensors& problem, int64_t config) {
     if (s.window_rows == 0 && lean_fits(problem)) {
       const LaunchShape lean = launch_shape(problem, config, kChunkBytes, lean_meta_size<coord_t>(), kSlots, false);
       launch_persistent<scalar_t>(forward_lean_kernel<scalar_t>, problem, lean, out);
+    } else if (lean_fits(problem) && pair_fits(problem)) {
+      // A team's lane moves 16 bytes of a two-cell pair: as many lanes as 8-byte chunks of one cell.
+      const LaunchShape pair = launch_shape(problem, config, kChunkBytes / 2, pair_meta_size<coord_t>(), kSlots, false);
+      launch_persistent<scalar_t>(forward_pair_kernel<scalar_t>, problem, pair, out);
     } else {
       launch_persistent<scalar_t>(forward_kernel<scalar_t>, problem, s, out);
     }
