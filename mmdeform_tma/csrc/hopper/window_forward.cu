@@ -362,41 +362,72 @@ __global__ void __maxnreg__(lean_max_registers<scalar_t>()) forward_lean_kernel(
 // top-right, bottom-right: one 8-byte load per half) and words[i]: for a window point (all four
 // corners inside the level and the window) the top-left cell's byte offset in the window, with
 // bits 0-4 set; for any other point the windowless kernel's word (the top-left corner's byte
-// offset in value and the corners' validity bits 0-3; bit 4 clear). xys[i] holds the top-left
-// corner (x0 + 1, y0 + 1) for the producer's own window pass.
+// offset in value and the corners' validity bits 0-3; bit 4 clear). The window itself is placed
+// from the tile's pixel block alone (static_window), so its boxes load while the producer reads
+// the locations; strips of queries get none.
 
 template <typename coord_t>
 constexpr int pair_meta_size() {
-  return static_cast<int>(sizeof(CornerWeights<coord_t>) + 3 * sizeof(uint32_t));
+  return lean_meta_size<coord_t>();
 }
 
 template <typename coord_t>
 struct PairStage {
   CornerWeights<coord_t>* weights;
   uint32_t* words;
-  uint32_t* xys;
   int* rows;
 };
 
 template <typename coord_t>
 __device__ __forceinline__ PairStage<coord_t> pair_stage(const Ring<coord_t>& ring, int stage, int n) {
-  char* base = reinterpret_cast<char*>(ring.meta(stage));
-  uint32_t* words = reinterpret_cast<uint32_t*>(base + n * static_cast<int>(sizeof(CornerWeights<coord_t>)));
-  return {reinterpret_cast<CornerWeights<coord_t>*>(base), words, words + n, reinterpret_cast<int*>(words + 2 * n)};
+  const LeanStage<coord_t> lean = lean_stage(ring, stage, n);
+  return {lean.weights, lean.corners, lean.rows};
 }
 
-// The stage header: one level row's bytes in value, and the window rows loaded (0: no window).
+// The stage header: one level row's bytes in value.
 struct PairHeader {
   uint32_t down;
-  int window_rows;
 };
 
-constexpr uint32_t kWindowPoint = 0x1Fu;  // a window point's low word bits (the four corners and the flag)
+constexpr uint32_t kWindowPoint = 0x1Fu;
+
+// The two weights of one half of a point (one vector load): left (top-left, bottom-left) or right.
+template <typename coord_t>
+struct alignas(2 * sizeof(coord_t)) CornerPair {
+  coord_t top, bottom;
+};  // a window point's low word bits (the four corners and the flag)
 
 #if MMDEFORM_TMA_HOPPER_DEVICE
 
-// One stage of the pair kernel's producer: the windowless producer's points, then the window over
-// their corners (placed as produce_stage places it), the window points' words, and the TMA boxes.
+// The window a pixel-block tile's points fall in at `level`, placed from the tile alone: its
+// queries are pixels of their level, whose reference points (pixel centres) map to this level's
+// pixel coordinates x_l = (x + 0.5) W_l / W_q - 0.5, and a local sampling point lies near its
+// reference. The window is centred on the block's mapped centre and clamped into the level, so
+// that the producer can start its TMA boxes before it has read a single location.
+struct StaticWindow {
+  int x0, y0, cols, rows;
+};
+
+__device__ __forceinline__ int window_origin(int block_first, int block_size, int query_size, int level_size, int cells) {
+  const float centre = (static_cast<float>(block_first) + 0.5f * static_cast<float>(block_size)) *
+                           static_cast<float>(level_size) / static_cast<float>(query_size) - 0.5f;
+  const int origin = __float2int_rd(centre + 1.0f - 0.5f * static_cast<float>(cells));
+  return max(0, min(level_size - cells, origin));
+}
+
+__device__ __forceinline__ StaticWindow static_window(const Tile& t, const LaunchShape& s, const LevelGeometry& g) {
+  StaticWindow w{0, 0, 0, 0};
+  if (!s.pixel_tiles || g.width <= 1 || g.height <= 1) return w;
+  w.x0 = window_origin(t.col0, s.block_cols, t.width, g.width, s.window_cols);
+  w.y0 = window_origin(t.row0, s.block_rows, t.height, g.height, s.window_rows);
+  w.cols = min(s.window_cols, g.width - w.x0);
+  w.rows = min(s.window_rows, g.height - w.y0);
+  return w;
+}
+
+// One stage of the pair kernel's producer: the tile's window boxes first (their bytes posted on
+// `full`, the copies in flight while the locations load), then the windowless producer's points,
+// with the window points' words.
 template <typename scalar_t>
 __device__ __forceinline__ void produce_pair_stage(const Problem<scalar_t>& p, const Ring<coord_type<scalar_t>>& ring,
                                                    const CUtensorMap* map, const Tile& t, int level, int stage,
@@ -409,12 +440,22 @@ __device__ __forceinline__ void produce_pair_stage(const Problem<scalar_t>& p, c
   const PairStage<coord_t> meta = pair_stage(ring, stage, n);
   const int key0 = t.batch * p.num_keys + static_cast<int>(g.start);
   const uint32_t column = static_cast<uint32_t>(t.head * s.row_bytes);
+  const StaticWindow win = static_window(t, s, g);
+  if (win.rows > 0) {
+    if (lane == 0) mbarrier_expect_tx(ring.full(stage), static_cast<uint32_t>(win.rows * s.window_cols * s.row_bytes));
+    __syncwarp();  // the expected bytes are posted before any box lands
+    fence_proxy_async_shared();  // after the consumers' reads of this stage's previous window
+    const int first_key = key0 + win.y0 * g.width + win.x0;
+    for (int r = lane; r < win.rows; r += 32) {
+      tma_load_2d(ring.window(stage) + r * s.window_cols * s.row_bytes, map, t.head * p.channels, first_key + r * g.width,
+                  ring.full(stage));
+    }
+  }
   const int query_stride = p.heads * p.levels * p.points;
   const int at0 = ((t.batch * p.queries * p.heads + t.head) * p.levels + level) * p.points;
 
   constexpr int kBatch = 8;
   const float inv_points = 1.0f / static_cast<float>(p.points);  // exact slot = i / points for i < 2^20
-  int min_x = INT_MAX, min_y = INT_MAX, max_x = INT_MIN, max_y = INT_MIN;
   for (int first = 0; first < n; first += 32 * kBatch) {
     coord_t x[kBatch], y[kBatch], a[kBatch];
     bool present[kBatch];
@@ -440,60 +481,23 @@ __device__ __forceinline__ void produce_pair_stage(const Problem<scalar_t>& p, c
       // and reads zeros; an empty slot has weight 0.
       CornerWeights<coord_t> w;
       w.w[0] = w.w[1] = w.w[2] = w.w[3] = a[k];
-      uint32_t word = 0u, xy = 0u;
+      uint32_t word = 0u;
       if (present[k]) {
         const Bilinear<coord_t> bl = bilinear(x[k], y[k], g.height, g.width);
         if (bl.valid) {
-          word = (static_cast<uint32_t>(key0 + bl.y0 * g.width + bl.x0) * key_bytes + column) | bl.valid;
-          xy = (static_cast<uint32_t>(bl.y0 + 1) << 16) | static_cast<uint32_t>(bl.x0 + 1);
+          const int cx = bl.x0 - win.x0, cy = bl.y0 - win.y0;
+          // A window point: all four corners inside the level and the window.
+          const bool inside = bl.valid == 0xFu && cx >= 0 && cx + 1 < win.cols && cy >= 0 && cy + 1 < win.rows;
+          word = inside ? static_cast<uint32_t>((cy * s.window_cols + cx) * s.row_bytes) | kWindowPoint
+                        : (static_cast<uint32_t>(key0 + bl.y0 * g.width + bl.x0) * key_bytes + column) | bl.valid;
           w.w[0] = a[k] * bl.weight(kTopLeft);
           w.w[1] = a[k] * bl.weight(kBottomLeft);
           w.w[2] = a[k] * bl.weight(kTopRight);
           w.w[3] = a[k] * bl.weight(kBottomRight);
-          min_x = min(min_x, max(bl.x0, 0));
-          max_x = max(max_x, min(bl.x0 + 1, g.width - 1));
-          min_y = min(min_y, max(bl.y0, 0));
-          max_y = max(max_y, min(bl.y0 + 1, g.height - 1));
         }
       }
       meta.weights[i] = w;
       meta.words[i] = word;
-      meta.xys[i] = xy;
-    }
-  }
-  min_x = __reduce_min_sync(0xffffffffu, min_x);
-  max_x = __reduce_max_sync(0xffffffffu, max_x);
-  min_y = __reduce_min_sync(0xffffffffu, min_y);
-  max_y = __reduce_max_sync(0xffffffffu, max_y);
-
-  int rows = 0, cols = 0, wx0 = 0, wy0 = 0;
-  if (min_x <= max_x) {
-    wx0 = max_x - min_x < s.window_cols ? min_x : max(0, min(g.width - s.window_cols, (min_x + max_x + 1 - s.window_cols) / 2));
-    wy0 = max_y - min_y < s.window_rows ? min_y : max(0, min(g.height - s.window_rows, (min_y + max_y + 1 - s.window_rows) / 2));
-    rows = min(s.window_rows, max_y - wy0 + 1);
-    cols = min(s.window_cols, g.width - wx0);
-  }
-  // Window points, as bits of `inside` (a lane's points i = lane + 32 k, k < 32: n <= 1024).
-  __syncwarp();  // every lane's words and corners are written
-  uint32_t inside = 0u;
-  if (rows > 0) {
-    for (int i = lane, k = 0; i < n; i += 32, ++k) {
-      const uint32_t xy = meta.xys[i];
-      const int x0 = static_cast<int>(xy & 0xFFFFu) - 1, y0 = static_cast<int>(xy >> 16) - 1;
-      if ((meta.words[i] & 0xFu) == 0xFu && x0 >= wx0 && x0 + 1 < wx0 + cols && y0 >= wy0 && y0 + 1 < wy0 + rows) {
-        inside |= 1u << k;
-      }
-    }
-    // A window pays when the corner reads it serves are at least the cells it loads.
-    if (4 * __reduce_add_sync(0xffffffffu, __popc(inside)) < rows * cols) rows = 0;
-  }
-  if (rows > 0) {
-    for (int i = lane, k = 0; i < n; i += 32, ++k) {
-      if (inside & (1u << k)) {
-        const uint32_t xy = meta.xys[i];
-        const int x0 = static_cast<int>(xy & 0xFFFFu) - 1, y0 = static_cast<int>(xy >> 16) - 1;
-        meta.words[i] = static_cast<uint32_t>(((y0 - wy0) * s.window_cols + (x0 - wx0)) * s.row_bytes) | kWindowPoint;
-      }
     }
   }
   if (level == p.levels - 1) {
@@ -502,22 +506,8 @@ __device__ __forceinline__ void produce_pair_stage(const Problem<scalar_t>& p, c
       meta.rows[slot] = query >= 0 ? (t.batch * p.queries + query) * p.heads + t.head : -1;
     }
   }
-  if (lane == 0) *reinterpret_cast<PairHeader*>(ring.header(stage)) = PairHeader{static_cast<uint32_t>(g.width) * key_bytes, rows};
-  const uint32_t bytes = static_cast<uint32_t>(rows * s.window_cols * s.row_bytes);
-  if (lane == 0) {
-    mbarrier_arrive_expect_tx(ring.full(stage), bytes);
-  } else {
-    mbarrier_arrive(ring.full(stage));
-  }
-  if (rows > 0) {
-    __syncwarp();  // the expected bytes are posted before any box lands
-    fence_proxy_async_shared();
-    const int first_key = key0 + wy0 * g.width + wx0;
-    for (int r = lane; r < rows; r += 32) {
-      tma_load_2d(ring.window(stage) + r * s.window_cols * s.row_bytes, map, t.head * p.channels, first_key + r * g.width,
-                  ring.full(stage));
-    }
-  }
+  if (lane == 0) *reinterpret_cast<PairHeader*>(ring.header(stage)) = PairHeader{static_cast<uint32_t>(g.width) * key_bytes};
+  mbarrier_arrive(ring.full(stage));
 }
 
 // One row of a lane's corner pair: from the window or the zero block (`from_shared`, address
@@ -587,7 +577,7 @@ __global__ void __maxnreg__(lean_max_registers<scalar_t>()) forward_pair_kernel(
 #pragma unroll
       for (int k = 0; k < VEC; ++k) acc[j][k] = acc_t(0);
     for (int level = 0;; ++level) {
-      mbarrier_wait(ring.full(stage), phase);
+      mbarrier_wait_suspended(ring.full(stage), phase);
       const PairHeader header = *reinterpret_cast<const PairHeader*>(ring.header(stage));
       const uint32_t window = smem_address(ring.window(stage)) + window_side;
       const PairStage<coord_t> meta = pair_stage(ring, stage, n);
@@ -598,8 +588,8 @@ __global__ void __maxnreg__(lean_max_registers<scalar_t>()) forward_pair_kernel(
 #pragma unroll 1
         for (int point = 0; point < p.points; ++point) {  // branch-free: a missing point reads zeros
           const uint32_t word = meta.words[first + point];
-          const coord_t* pair = meta.weights[first + point].w + 2 * side;
-          const coord_t top_weight = pair[0], bottom_weight = pair[1];
+          const CornerPair<coord_t> pair = reinterpret_cast<const CornerPair<coord_t>*>(meta.weights + first + point)[side];
+          const coord_t top_weight = pair.top, bottom_weight = pair.bottom;
           const bool in_window = (word & kWindowPoint) == kWindowPoint;
           const uint32_t offset = word & ~31u;
           const uint32_t top = offset + global_side;
