@@ -391,6 +391,10 @@ struct PairHeader {
 
 constexpr uint32_t kWindowPoint = 0x1Fu;
 
+// Two producer warps: one computed each stage's 128-256 points too slowly for four consumer warps
+// that each take a quarter of them (ncu, H100, 2026-11-24: the consumers waited on `full`).
+constexpr int kPairProducerWarps = 2;
+
 // The two weights of one half of a point (one vector load): left (top-left, bottom-left) or right.
 template <typename coord_t>
 struct alignas(2 * sizeof(coord_t)) CornerPair {
@@ -434,14 +438,15 @@ __device__ __forceinline__ void produce_pair_stage(const Problem<scalar_t>& p, c
                                                    uint32_t key_bytes) {
   using coord_t = coord_type<scalar_t>;
   const LaunchShape& s = *ring.s;
-  const int lane = threadIdx.x & 31;
+  const int lane = threadIdx.x & 31, producer = threadIdx.x;  // producer threads: 32 x kPairProducerWarps
+  constexpr int kProducers = 32 * kPairProducerWarps;
   const LevelGeometry g = level_geometry(p.spatial_shapes, p.level_start, level);
   const int n = s.slots * p.points;
   const PairStage<coord_t> meta = pair_stage(ring, stage, n);
   const int key0 = t.batch * p.num_keys + static_cast<int>(g.start);
   const uint32_t column = static_cast<uint32_t>(t.head * s.row_bytes);
   const StaticWindow win = static_window(t, s, g);
-  if (win.rows > 0) {
+  if (win.rows > 0 && producer < 32) {
     if (lane == 0) mbarrier_expect_tx(ring.full(stage), static_cast<uint32_t>(win.rows * s.window_cols * s.row_bytes));
     __syncwarp();  // the expected bytes are posted before any box lands
     fence_proxy_async_shared();  // after the consumers' reads of this stage's previous window
@@ -454,14 +459,14 @@ __device__ __forceinline__ void produce_pair_stage(const Problem<scalar_t>& p, c
   const int query_stride = p.heads * p.levels * p.points;
   const int at0 = ((t.batch * p.queries * p.heads + t.head) * p.levels + level) * p.points;
 
-  constexpr int kBatch = 8;
+  constexpr int kBatch = 4;
   const float inv_points = 1.0f / static_cast<float>(p.points);  // exact slot = i / points for i < 2^20
-  for (int first = 0; first < n; first += 32 * kBatch) {
+  for (int first = 0; first < n; first += kProducers * kBatch) {
     coord_t x[kBatch], y[kBatch], a[kBatch];
     bool present[kBatch];
 #pragma unroll
     for (int k = 0; k < kBatch; ++k) {
-      const int i = first + 32 * k + lane;
+      const int i = first + kProducers * k + producer;
       const int slot = static_cast<int>((static_cast<float>(i) + 0.5f) * inv_points);
       const int query = i < n ? tile_query(t, s, slot, p.queries) : -1;
       present[k] = query >= 0;
@@ -475,7 +480,7 @@ __device__ __forceinline__ void produce_pair_stage(const Problem<scalar_t>& p, c
     }
 #pragma unroll
     for (int k = 0; k < kBatch; ++k) {
-      const int i = first + 32 * k + lane;
+      const int i = first + kProducers * k + producer;
       if (i >= n) break;
       // As the windowless producer: a point that misses the level keeps weight a on every corner
       // and reads zeros; an empty slot has weight 0.
@@ -501,12 +506,12 @@ __device__ __forceinline__ void produce_pair_stage(const Problem<scalar_t>& p, c
     }
   }
   if (level == p.levels - 1) {
-    for (int slot = lane; slot < s.slots; slot += 32) {
+    for (int slot = producer; slot < s.slots; slot += kProducers) {
       const int query = tile_query(t, s, slot, p.queries);
       meta.rows[slot] = query >= 0 ? (t.batch * p.queries + query) * p.heads + t.head : -1;
     }
   }
-  if (lane == 0) *reinterpret_cast<PairHeader*>(ring.header(stage)) = PairHeader{static_cast<uint32_t>(g.width) * key_bytes};
+  if (producer == 0) *reinterpret_cast<PairHeader*>(ring.header(stage)) = PairHeader{static_cast<uint32_t>(g.width) * key_bytes};
   mbarrier_arrive(ring.full(stage));
 }
 
@@ -544,7 +549,7 @@ __global__ void __maxnreg__(lean_max_registers<scalar_t>()) forward_pair_kernel(
   const uint32_t key_bytes = static_cast<uint32_t>(p.heads * s.row_bytes);
   const int n = s.slots * p.points;
   init_ring(ring, &value_map);
-  if (threadIdx.x < 32) {
+  if (threadIdx.x < 32 * kPairProducerWarps) {
     StageCursor at{static_cast<int>(blockIdx.x), 0, 0, 0u};
     Tile t{};
     while (at.tile < num_tiles) {
@@ -558,7 +563,7 @@ __global__ void __maxnreg__(lean_max_registers<scalar_t>()) forward_pair_kernel(
 
   // A team (s.team lanes) takes a point; lanes [0, half) of it read its left corners, the others
   // its right ones, each lane a 16-byte chunk of the row.
-  const int lane = threadIdx.x & 31, warp = threadIdx.x / 32 - 1;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x / 32 - kPairProducerWarps;
   const int half = s.team / 2;
   const int team = warp * (32 / s.team) + lane / s.team, teams = s.consumer_warps * (32 / s.team);
   const int side = (lane % s.team) / half;
@@ -671,7 +676,8 @@ at::Tensor forward(const ProblemTensors& problem, int64_t config) {
       launch_persistent<scalar_t>(forward_lean_kernel<scalar_t>, problem, lean, out);
     } else if (lean_fits(problem) && pair_fits(problem)) {
       // A team's lane moves 16 bytes of a two-cell pair: as many lanes as 8-byte chunks of one cell.
-      const LaunchShape pair = launch_shape(problem, config, kChunkBytes / 2, pair_meta_size<coord_t>(), kSlots, false);
+      LaunchShape pair = launch_shape(problem, config, kChunkBytes / 2, pair_meta_size<coord_t>(), kSlots, false);
+      pair.producer_warps = kPairProducerWarps;
       launch_persistent<scalar_t>(forward_pair_kernel<scalar_t>, problem, pair, out);
     } else {
       launch_persistent<scalar_t>(forward_kernel<scalar_t>, problem, s, out);
