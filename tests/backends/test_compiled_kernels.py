@@ -377,9 +377,8 @@ def window_forward_configs() -> list[tuple[int, str]]:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64], ids=str)
 @pytest.mark.parametrize("case", WINDOW_CASES + [CASES[11]], ids=lambda c: c[0])
 def test_tma_ws_window_forward_configs_against_float64(case, dtype):
-    """The window forwards (`_w16` configs: the pair-lane kernel where the head row is 32-256 bytes,
-    else the per-point one) in the dtypes the every-config test leaves out, on encoders (windows)
-    and a decoder (strips), and with 8 channels (16-byte bf16 rows: no pair kernel)."""
+    """The window forward (`_w16` configs) in the dtypes the every-config test leaves out, on
+    encoders (pixel blocks with windows), a decoder (strips) and 8-channel rows (16 bytes)."""
     problem = cuda_problem(case, dtype, seed=29)
     skip_unless_supported("tma_ws", validate(*problem.args()))
     exact = gather_reference(*[t.double() if t.is_floating_point() else t for t in problem.args()])

@@ -42,13 +42,6 @@ __device__ __forceinline__ void mbarrier_arrive_expect_tx(uint64_t* bar, uint32_
                : "memory");
 }
 
-// Adds `bytes` to the transaction count of the current phase without arriving: a producer can post
-// a TMA load's bytes before its own arrival, issue the copy and arrive after other work.
-__device__ __forceinline__ void mbarrier_expect_tx(uint64_t* bar, uint32_t bytes) {
-  asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;" ::"r"(smem_address(bar)), "r"(bytes)
-               : "memory");
-}
-
 __device__ __forceinline__ bool mbarrier_try_wait(uint64_t* bar, uint32_t parity) {
   uint32_t done;
   asm volatile(
@@ -67,24 +60,6 @@ __device__ __forceinline__ bool mbarrier_try_wait(uint64_t* bar, uint32_t parity
 __device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
   while (!mbarrier_try_wait(bar, parity)) {
   }
-}
-
-// The same wait, suspending the thread between polls (up to the hint, in ns, or until the phase
-// completes): a consumer starved by its producer then leaves the issue slots to the other warps
-// instead of spinning through them.
-__device__ __forceinline__ void mbarrier_wait_suspended(uint64_t* bar, uint32_t parity) {
-  uint32_t done;
-  do {
-    asm volatile(
-        "{\n"
-        "  .reg .pred complete;\n"
-        "  mbarrier.try_wait.parity.shared::cta.b64 complete, [%1], %2, %3;\n"
-        "  selp.u32 %0, 1, 0, complete;\n"
-        "}\n"
-        : "=r"(done)
-        : "r"(smem_address(bar)), "r"(parity), "r"(1000000u)
-        : "memory");
-  } while (!done);
 }
 
 // A barrier of `threads` threads (whole warps) on hardware barrier 1: __syncthreads keeps 0, and

@@ -62,7 +62,6 @@ LaunchShape shape_for(const ProblemTensors& problem, const Config& config, int c
   s.chunk_bytes = chunk_bytes;
   s.team = s.row_bytes / chunk_bytes;
   s.consumer_warps = config.consumer_warps;
-  s.producer_warps = 1;
   const int teams = s.consumer_warps * 32 / s.team;
   s.slots_per_team = std::clamp(config.slots / teams, 1, max_slots_per_team);
   s.slots = teams * s.slots_per_team;

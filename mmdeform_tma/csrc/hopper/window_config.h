@@ -57,7 +57,6 @@ struct LaunchShape {
   int chunk_bytes;     // bytes of a cell per lane: 16, or 8 in the half-precision backward
   int team;            // lanes per query slot: row_bytes / chunk_bytes
   int consumer_warps;
-  int producer_warps;  // 1; the pair-lane forward sets 2 (window_forward.cu)
   int slots_per_team;  // query slots each team owns in a tile
   int slots;           // query slots per tile
   int block_rows, block_cols;  // pixel-block tiles: block_rows x block_cols = slots

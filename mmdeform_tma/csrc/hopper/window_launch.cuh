@@ -22,7 +22,7 @@ namespace window {
 inline int blocks_per_multiprocessor(const void* kernel, const LaunchShape& s) {
   static std::mutex mutex;
   static std::map<std::tuple<const void*, int, int, int>, int> cache;  // kernel, device, threads, bytes
-  const int threads = 32 * (s.producer_warps + s.consumer_warps);
+  const int threads = 32 * (1 + s.consumer_warps);
   int device = 0;
   C10_CUDA_CHECK(cudaGetDevice(&device));
   const std::lock_guard<std::mutex> lock(mutex);
@@ -43,7 +43,7 @@ inline int blocks_per_multiprocessor(const void* kernel, const LaunchShape& s) {
 // hold, fewer for small problems (at most one per (batch, head, key): the tile count's bound).
 template <typename scalar_t, typename Kernel, typename... Args>
 void launch_persistent(Kernel kernel, const ProblemTensors& problem, const LaunchShape& s, Args... args) {
-  const int threads = 32 * (s.producer_warps + s.consumer_warps);
+  const int threads = 32 * (1 + s.consumer_warps);
   const int64_t resident =
       static_cast<int64_t>(blocks_per_multiprocessor(reinterpret_cast<const void*>(kernel), s)) * multiprocessor_count();
   const int64_t bound = problem.batch * problem.heads * std::max<int64_t>(problem.queries, problem.num_keys);

@@ -14,7 +14,7 @@
 // Consumers read a window point's corners from shared memory, any other point's corners from
 // global memory through L1, and corners outside the level from a block of zeros.
 //
-// Hand-over: `full[s]` counts the producer warps' arrivals (32 each) plus the TMA bytes, `empty[s]` the
+// Hand-over: `full[s]` counts the producer warp's 32 arrivals plus the TMA bytes, `empty[s]` the
 // consumers' arrivals. Every thread arrives on every stage whatever it holds, so the arrival
 // counts never depend on the data. Window cells past the level's right edge hold the next row's
 // keys (a box is a run of consecutive keys); no point ever reads them.
@@ -179,7 +179,7 @@ __device__ __forceinline__ void init_ring(const Ring<coord_t>& ring, const CUten
     if (smem_address(ring.base) & 127u) __trap();  // TMA destinations would be misaligned
     prefetch_tensor_map(map);
     for (int i = 0; i < s.stages; ++i) {
-      mbarrier_init(ring.full(i), 32 * s.producer_warps);
+      mbarrier_init(ring.full(i), 32);
       mbarrier_init(ring.empty(i), s.consumer_warps * 32);
     }
     fence_mbarrier_init();
