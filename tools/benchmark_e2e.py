@@ -393,10 +393,8 @@ def run_one(
     train_step = training_step(model, optim_wrapper, rotation)
     for _ in range(args.warmup * len(sizes)):  # each size: compiled, then graphed, then warm
         train_step()
-    if fast is not None and args.gc_freeze:
-        from mmdeform_tma.integrations import fast_training
-
-        fast_training.freeze_long_lived_objects()  # as the fast path's hook does once warm; main unfreezes
+    frozen = fast is not None and args.gc_freeze
+    set_heap_frozen(frozen)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     with bench_common.GcMeter() as gc_meter:
@@ -419,11 +417,25 @@ def run_one(
     infer_step = inference_step(model, rotation, precision, device)
     for _ in range(args.warmup * len(sizes)):
         infer_step()
+    set_heap_frozen(frozen)  # again: the profiler, or a library, may have frozen or unfrozen it since
     result.infer_ms = bench_common.summarize(time_loop(infer_step, args.iters, device))
     result.images_per_s = args.batch / (result.infer_ms["median_ms"] / 1e3)
     if fast:
         result.compiled_graphs = counters["stats"]["unique_graphs"]
     return result
+
+
+def set_heap_frozen(frozen: bool) -> None:
+    """The heap as a timed loop of this row must see it: frozen as the fast path's hook leaves it once
+    warm (`gc.freeze`; main unfreezes after the row), or unfrozen. Set before each timed loop, not
+    once: on the H100 image (torch 2.11) something between the training and the inference timing
+    froze the heap of stock rows too (tests/tools/test_benchmark_tools.py, 2026-11-24)."""
+    if frozen:
+        from mmdeform_tma.integrations import fast_training
+
+        fast_training.freeze_long_lived_objects()
+    else:
+        gc.unfreeze()
 
 
 def training_step(model, optim_wrapper, rotation):
