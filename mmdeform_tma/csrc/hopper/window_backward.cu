@@ -191,6 +191,15 @@ __device__ __forceinline__ void build_gather_index(const Problem<scalar_t>& p, c
 
 #endif  // MMDEFORM_TMA_HOPPER_DEVICE
 
+// A location gradient (x, y) in one vector store; grad_locations is allocated by the op, aligned.
+template <typename coord_t>
+__device__ __forceinline__ void store_pair(coord_t* at, coord_t x, coord_t y) {
+  struct alignas(2 * sizeof(coord_t)) Pair {
+    coord_t x, y;
+  };
+  *reinterpret_cast<Pair*>(at) = Pair{x, y};
+}
+
 // How a window point's value-gradient contributions reach memory (the kernel's variants).
 enum class Aggregation {
   kDirect,  // one reduction per corner
@@ -287,7 +296,7 @@ __device__ __forceinline__ void reduce_mma_tile(const Sink& sink, const float (&
 
 // One warp's share of a stage's MMA: window rows of 16 cells (m-tiles) in turn, all slots (k),
 // every channel (n, 16 at a time); then it zeroes the block of A it read.
-template <typename scalar_t, typename Sink>
+template <typename scalar_t, int kGroups, typename Sink>
 __device__ __forceinline__ void reduce_window_mma(uint32_t smem_base, const LaunchShape& s, const StageWindow& w,
                                                   const Sink& sink, int64_t key_stride, int64_t head_column,
                                                   int channels, float inverse_scale) {
@@ -304,24 +313,37 @@ __device__ __forceinline__ void reduce_window_mma(uint32_t smem_base, const Laun
     const int cell = m0 + (lane >> 2) + ((lane & 1) ? 8 : 0);  // the cell this lane reduces
     const int64_t key = static_cast<int64_t>(w.key0) + (cell >> s.window_cols_log2) * w.width + (cell & (s.window_cols - 1));
     const int64_t index = key * key_stride + head_column + 4 * ((lane & 3) >> 1);
-    for (int n0 = 0; n0 < channels; n0 += 16) {
-      float d0[4] = {0.0f, 0.0f, 0.0f, 0.0f}, d1[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    // kGroups x 16 channels at a time: each A block (hi, lo) is loaded once for kGroups 16-channel
+    // groups of G (ncu, H100, 2026-11-24: ldmatrix was 15 % of the L1's wavefronts with one group
+    // per load). Two groups need 8 more accumulator registers than the 96 of 4 CTAs per SM allow.
+    for (int c0 = 0; c0 < channels; c0 += 16 * kGroups) {
+      const int groups = kGroups == 1 ? 1 : min(kGroups, (channels - c0) / 16);  // channels % 16 == 0 (mma_built)
+      float d[2 * kGroups][4] = {};
 #pragma unroll
       for (int k = 0; k < kMmaMaxKSteps; ++k) {
         if (k >= k_steps) break;
-        uint32_t hi[4], lo[4], g[4];
+        uint32_t hi[4], lo[4];
         const uint32_t a_at = static_cast<uint32_t>((16 * k + a_slot) * s.a_stride + (m0 + a_cell) * 2);
         ldmatrix_x4_trans(hi, a_hi + a_at);
         ldmatrix_x4_trans(lo, a_lo + a_at);
-        ldmatrix_x4_trans(g, rows + static_cast<uint32_t>((16 * k + b_slot) * s.g_stride + (n0 + b_channel) * 2));
-        mma_16x8x16<scalar_t>(d0, hi, g[0], g[1]);
-        mma_16x8x16<scalar_t>(d0, lo, g[0], g[1]);
-        mma_16x8x16<scalar_t>(d1, hi, g[2], g[3]);
-        mma_16x8x16<scalar_t>(d1, lo, g[2], g[3]);
+#pragma unroll
+        for (int q = 0; q < kGroups; ++q) {
+          if (q >= groups) break;
+          uint32_t g[4];
+          ldmatrix_x4_trans(g, rows + static_cast<uint32_t>((16 * k + b_slot) * s.g_stride + (c0 + 16 * q + b_channel) * 2));
+          mma_16x8x16<scalar_t>(d[2 * q], hi, g[0], g[1]);
+          mma_16x8x16<scalar_t>(d[2 * q], lo, g[0], g[1]);
+          mma_16x8x16<scalar_t>(d[2 * q + 1], hi, g[2], g[3]);
+          mma_16x8x16<scalar_t>(d[2 * q + 1], lo, g[2], g[3]);
+        }
       }
       constexpr bool kScaled = std::is_same_v<scalar_t, __half>;
-      reduce_mma_tile<kScaled>(sink, d0, index + n0, inverse_scale);
-      reduce_mma_tile<kScaled>(sink, d1, index + n0 + 8, inverse_scale);
+#pragma unroll
+      for (int q = 0; q < kGroups; ++q) {
+        if (q >= groups) break;
+        reduce_mma_tile<kScaled>(sink, d[2 * q], index + c0 + 16 * q, inverse_scale);
+        reduce_mma_tile<kScaled>(sink, d[2 * q + 1], index + c0 + 16 * q + 8, inverse_scale);
+      }
     }
     __syncwarp();  // every lane's ldmatrix reads of the block are done
     const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
@@ -516,9 +538,9 @@ __global__ void __launch_bounds__(kMaxThreads, kCtasPerSm)
         if (query >= 0 && cl.lane == 0) {  // a point that misses the level has zero gradients, even for a NaN row
           const bool sampled = m.valid != 0u;
           grad_weights[first_point + point] = sampled ? grad_a : coord_t(0);
-          coord_t* g_location = grad_locations + 2 * (first_point + point);
-          g_location[0] = sampled ? m.attention * coord_t(w.width) * grad_x : coord_t(0);
-          g_location[1] = sampled ? m.attention * coord_t(w.height) * grad_y : coord_t(0);
+          // (x, y) in one store: ncu (H100, 2026-11-24) had these scalar stores at 10 % of the L1's tag lookups
+          store_pair(grad_locations + 2 * (first_point + point), sampled ? m.attention * coord_t(w.width) * grad_x : coord_t(0),
+                     sampled ? m.attention * coord_t(w.height) * grad_y : coord_t(0));
         }
       }
     }
@@ -526,7 +548,7 @@ __global__ void __launch_bounds__(kMaxThreads, kCtasPerSm)
       if (w.rows > 0) {
         consumer_barrier(s.consumer_warps * 32);  // A and the staged rows are complete
         mbarrier_arrive(ring.empty(at.stage));
-        reduce_window_mma<scalar_t>(smem_base, s, w, sink, key_stride, static_cast<int64_t>(t.head) * p.channels,
+        reduce_window_mma<scalar_t, kCtasPerSm < 4 ? 2 : 1>(smem_base, s, w, sink, key_stride, static_cast<int64_t>(t.head) * p.channels,
                                     p.channels, s.inverse_weight_scale);
         consumer_barrier(s.consumer_warps * 32);  // every warp has read and zeroed its blocks of A
       } else {
