@@ -16,6 +16,8 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "../common/device_utils.cuh"
+
 namespace mmdeform_tma {
 namespace hopper {
 
@@ -87,27 +89,9 @@ struct SplitWeight {
 };
 
 template <typename scalar_t>
-__device__ __forceinline__ float to_float(scalar_t x) {
-  if constexpr (std::is_same_v<scalar_t, __half>) {
-    return __half2float(x);
-  } else {
-    return __bfloat162float(x);
-  }
-}
-
-template <typename scalar_t>
-__device__ __forceinline__ scalar_t from_float(float x) {
-  if constexpr (std::is_same_v<scalar_t, __half>) {
-    return __float2half_rn(x);
-  } else {
-    return __float2bfloat16_rn(x);
-  }
-}
-
-template <typename scalar_t>
 __device__ __forceinline__ SplitWeight<scalar_t> split_weight(float x) {
-  const scalar_t hi = from_float<scalar_t>(x);
-  return {hi, from_float<scalar_t>(x - to_float(hi))};
+  const scalar_t hi = from_acc<scalar_t>(x);
+  return {hi, from_acc<scalar_t>(x - static_cast<float>(hi))};
 }
 
 }  // namespace hopper

@@ -225,7 +225,7 @@ __device__ __forceinline__ void add_mma_weight(uint32_t smem_base, const LaunchS
   const uint32_t hi = smem_base + static_cast<uint32_t>(s.a_offset + slot * s.a_stride + 2 * cell);
   const uint32_t lo = hi + static_cast<uint32_t>(s.a_bytes);
   const SplitWeight<scalar_t> sum =
-      split_weight<scalar_t>(to_float(ld_shared_16<scalar_t>(hi)) + to_float(ld_shared_16<scalar_t>(lo)) + weight);
+      split_weight<scalar_t>(static_cast<float>(ld_shared_16<scalar_t>(hi)) + static_cast<float>(ld_shared_16<scalar_t>(lo)) + weight);
   st_shared_16(hi, sum.hi);
   st_shared_16(lo, sum.lo);
 }
