@@ -8,8 +8,9 @@ Runs ncu (--clock-control none: the card's clocks stay as they are) on one forwa
 backward of every available compiled backend and of mmcv (or of the `--backends` named; `dcnv4`
 is DCNv4's FlashDeformAttn, a benchmark dependency: tools/dcnv4_compare.py), and prints per kernel: duration, DRAM
 throughput, L2 and L1 hit rates, L2 throughput, achieved occupancy and the top warp stall reasons.
-`--backward-configs` profiles named kernel configs of one backend's backward instead (the names
-`tools/autotune.py` reports), each with its own launch, to set two variants side by side.
+`--backward-configs` (`--forward-configs`) profiles named kernel configs of one backend's backward
+(forward) instead (the names `tools/autotune.py` reports), each with its own launch, to set two
+variants side by side; `--forward-only` leaves the backwards out.
 """
 
 from __future__ import annotations
