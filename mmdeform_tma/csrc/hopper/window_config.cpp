@@ -4,7 +4,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
 
 #include "../common/cuda_runtime_utils.h"
 #include "../common/kernel_catalog.h"
@@ -53,18 +52,6 @@ Config default_config(const ProblemTensors& problem, int team, bool backward, bo
     c.slots /= 2;
   }
   return c;
-}
-
-// Strips of unordered queries (decoders) give an SM few warps, each a chain of dependent corner
-// loads that pays DRAM latency per point; pixel blocks (encoders) have the warps to hide it and sit
-// on L1 instead. MMDEFORM_TMA_PREFETCH=<mode> overrides, for measurements.
-int prefetch_mode(const LaunchShape& s) {
-  static const int forced = [] {
-    const char* env = std::getenv("MMDEFORM_TMA_PREFETCH");
-    return env != nullptr && *env != '\0' ? std::atoi(env) : -1;
-  }();
-  if (forced >= 0) return forced;
-  return s.pixel_tiles ? kNoPrefetch : kPrefetchBulkL2;
 }
 
 LaunchShape shape_for(const ProblemTensors& problem, const Config& config, int chunk_bytes, int meta_size,
@@ -132,7 +119,6 @@ LaunchShape shape_for(const ProblemTensors& problem, const Config& config, int c
     while (s.weight_scale > 1.0f && s.weight_scale * static_cast<float>(problem.points) > 32768.0f) s.weight_scale *= 0.5f;
   }
   s.inverse_weight_scale = 1.0f / s.weight_scale;
-  s.prefetch = prefetch_mode(s);
   s.total_bytes = s.barrier_offset + round128(2 * s.stages * 8) + 128;  // + alignment slack
   return s;
 }

@@ -51,10 +51,6 @@ const std::vector<Config>& configs();
 std::vector<std::string> config_names();
 std::vector<std::string> backward_config_names();  // all of configs()
 
-// How a producer hints a stage's corner rows to the memory system before its consumers load them
-// (LaunchShape::prefetch).
-enum PrefetchMode : int { kNoPrefetch = 0, kPrefetchBulkL2 = 1, kPrefetchL2 = 2, kPrefetchL1 = 3 };
-
 // What both roles need to agree on; computed on the host, passed by value.
 struct LaunchShape {
   int row_bytes;       // one cell: a head's channels of one key
@@ -105,9 +101,6 @@ struct LaunchShape {
   // direct path), so 2^15 / points keeps it finite and its lo part normal down to weights of about
   // points x 2^-18. bf16 has fp32's range: 1. Read from the parameter bank, not a register.
   float weight_scale, inverse_weight_scale;
-  // PrefetchMode: whether the producer hints each point's corner rows into L2 (strips of unordered
-  // queries, whose few warps per SM cannot hide the latency of their dependent corner loads).
-  int prefetch;
 };
 
 // The geometry `config` gives for this problem (-1: the default heuristic); throws with the reason

@@ -213,11 +213,6 @@ __device__ __forceinline__ void produce_lean_stage(const Problem<scalar_t>& p, c
       }
       meta.weights[i] = w;
       meta.corners[i] = corners;
-      if (s.prefetch != kNoPrefetch) {
-        prefetch_corner_rows<uint32_t>(s.prefetch, reinterpret_cast<const char*>(p.value), corners & ~15u, corners & 15u,
-                                       key_bytes, static_cast<uint32_t>(g.width) * key_bytes,
-                                       static_cast<uint32_t>(s.row_bytes));
-      }
     }
   }
   if (level == p.levels - 1) {

@@ -218,29 +218,6 @@ __device__ __forceinline__ WindowPoint<coord_t> point_geometry(int batch, int64_
   return m;
 }
 
-// `bytes` (a multiple of 16) at 16-byte aligned `src` towards the cache `mode` names: a hint, with
-// nothing to wait for. The bulk form goes through the TMA unit and takes no L1 bandwidth.
-__device__ __forceinline__ void prefetch_row(int mode, const void* src, uint32_t bytes) {
-  if (mode == kPrefetchBulkL2) {
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
-  } else if (mode == kPrefetchL2) {
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(src));
-  } else if (mode == kPrefetchL1) {
-    asm volatile("prefetch.global.L1 [%0];" ::"l"(src));
-  }
-}
-
-// The in-level corner rows (validity bits in Corner order) of a point whose top-left row is at
-// byte `top_left` of `value`; `right` is one key on and `down` one level row down, in bytes.
-template <typename offset_t>
-__device__ __forceinline__ void prefetch_corner_rows(int mode, const char* value, offset_t top_left, uint32_t valid,
-                                                     offset_t right, offset_t down, uint32_t bytes) {
-  if (valid & 1u) prefetch_row(mode, value + top_left, bytes);
-  if (valid & 2u) prefetch_row(mode, value + (top_left + right), bytes);
-  if (valid & 4u) prefetch_row(mode, value + (top_left + down), bytes);
-  if (valid & 8u) prefetch_row(mode, value + (top_left + down + right), bytes);
-}
-
 // What produce_stage runs between the window pass and its arrival: nothing, unless a kernel adds
 // its own per-stage work (the gather backward's cell index).
 struct NoStageWork {
@@ -288,12 +265,6 @@ __device__ __forceinline__ void produce_stage(
       if (i >= n) break;
       const WindowPoint<coord_t> m = point_geometry(t.batch, p.num_keys, g, query[k], x[k], y[k], a[k]);
       meta[i] = m;
-      if (s.prefetch != kNoPrefetch && m.valid) {
-        const int64_t key_bytes = static_cast<int64_t>(p.heads) * s.row_bytes;
-        prefetch_corner_rows<int64_t>(s.prefetch, reinterpret_cast<const char*>(p.value),
-                                      static_cast<int64_t>(m.key) * key_bytes + t.head * s.row_bytes, m.valid,
-                                      key_bytes, key_bytes * g.width, static_cast<uint32_t>(s.row_bytes));
-      }
       if (m.valid) {  // the footprint of the corners inside the level
         min_x = min(min_x, max(m.x0, 0));
         max_x = max(max_x, min(m.x0 + 1, g.width - 1));
