@@ -2,8 +2,6 @@
 // level by level, and store each query's output after its last level. Two kernels: the windowed
 // one (configs with a value window, or problems past 32-bit offsets) and a windowless one for the
 // `_l1` configs, which leaves out the window's registers and work (below).
-#include <cstdlib>
-
 #include "../common/dtype_dispatch.cuh"
 #include "../common/launchers.h"
 #include "window_launch.cuh"
@@ -246,17 +244,13 @@ __device__ __forceinline__ Chunk<16> load_corner_or_zero(uint32_t corners, uint3
 // 80 registers: 5 CTAs of 5 warps per SM by the register file (25 x 32 x 80 <= 65536), against 3
 // at the windowed kernel's 119. Stated as a cap, not as __launch_bounds__ minimum blocks, which
 // made ptxas budget only 72 registers here and spill; fp64 (gradcheck) is left uncapped.
-// Two points per step hold twice the corners: 128, as decoders give an SM few warps anyway.
-template <typename scalar_t, int kPointsPerStep>
+template <typename scalar_t>
 constexpr int lean_max_registers() {
-  return sizeof(scalar_t) == 8 || kPointsPerStep > 2 ? 255 : kPointsPerStep == 1 ? 80 : 128;
+  return sizeof(scalar_t) == 8 ? 255 : 80;
 }
 
-// kPointsPerStep: points whose corner loads a lane issues before it uses any. 1 on pixel-block
-// tiles (encoders: L1-bound, enough warps per SM to hide latency); 2 on strips of unordered queries
-// (decoders), whose few warps per SM otherwise wait out one load latency per point.
-template <typename scalar_t, int kPointsPerStep>
-__global__ void __maxnreg__((lean_max_registers<scalar_t, kPointsPerStep>())) forward_lean_kernel(
+template <typename scalar_t>
+__global__ void __maxnreg__(lean_max_registers<scalar_t>()) forward_lean_kernel(
     const __grid_constant__ CUtensorMap value_map, const __grid_constant__ Problem<scalar_t> p,
     const __grid_constant__ LaunchShape s, scalar_t* __restrict__ output) {
 #if MMDEFORM_TMA_HOPPER_DEVICE
@@ -308,28 +302,20 @@ __global__ void __maxnreg__((lean_max_registers<scalar_t, kPointsPerStep>())) fo
         if (j >= s.slots_per_team) break;
         const int first = (cl.team + j * cl.teams) * p.points;
 #pragma unroll 1
-        for (int point = 0; point < p.points; point += kPointsPerStep) {  // branch-free: a missing point reads zeros
-          PointCorners<kChunkBytes> c[kPointsPerStep];
-          CornerWeights<coord_t> w[kPointsPerStep];
+        for (int point = 0; point < p.points; ++point) {  // branch-free: a missing point reads zeros
+          const uint32_t corners = meta.corners[first + point];
+          const CornerWeights<coord_t> w = meta.weights[first + point];
+          const uint32_t top = (corners & ~15u) + chunk;
+          PointCorners<kChunkBytes> c;
+          c.corner[kTopLeft] = load_corner_or_zero<1>(corners, zeros, values + top);
+          c.corner[kTopRight] = load_corner_or_zero<2>(corners, zeros, values + (top + key_bytes));
+          c.corner[kBottomLeft] = load_corner_or_zero<4>(corners, zeros, values + (top + down));
+          c.corner[kBottomRight] = load_corner_or_zero<8>(corners, zeros, values + (top + down + key_bytes));
+          use_corners<scalar_t, VEC>(c, [&](int corner, const acc_t (&v)[VEC]) {
+            const acc_t weight = static_cast<acc_t>(w.w[corner]);
 #pragma unroll
-          for (int u = 0; u < kPointsPerStep; ++u) {  // every load of the step before any use
-            const bool real = kPointsPerStep == 1 || point + u < p.points;  // past the last: zeros, weight 0
-            const uint32_t corners = real ? meta.corners[first + point + u] : 0u;
-            w[u] = real ? meta.weights[first + point + u] : CornerWeights<coord_t>{};
-            const uint32_t top = (corners & ~15u) + chunk;
-            c[u].corner[kTopLeft] = load_corner_or_zero<1>(corners, zeros, values + top);
-            c[u].corner[kTopRight] = load_corner_or_zero<2>(corners, zeros, values + (top + key_bytes));
-            c[u].corner[kBottomLeft] = load_corner_or_zero<4>(corners, zeros, values + (top + down));
-            c[u].corner[kBottomRight] = load_corner_or_zero<8>(corners, zeros, values + (top + down + key_bytes));
-          }
-#pragma unroll
-          for (int u = 0; u < kPointsPerStep; ++u) {
-            use_corners<scalar_t, VEC>(c[u], [&](int corner, const acc_t (&v)[VEC]) {
-              const acc_t weight = static_cast<acc_t>(w[u].w[corner]);
-#pragma unroll
-              for (int k = 0; k < VEC; ++k) acc[j][k] = fma(weight, v[k], acc[j][k]);
-            });
-          }
+            for (int k = 0; k < VEC; ++k) acc[j][k] = fma(weight, v[k], acc[j][k]);
+          });
         }
       }
       const bool last = level == p.levels - 1;
@@ -360,15 +346,6 @@ __global__ void __maxnreg__((lean_max_registers<scalar_t, kPointsPerStep>())) fo
 #endif
 }
 
-int lean_points_per_step(const LaunchShape& s) {
-  static const int forced = [] {  // MMDEFORM_TMA_POINTS_PER_STEP=1|2: measurements only
-    const char* env = std::getenv("MMDEFORM_TMA_POINTS_PER_STEP");
-    return env != nullptr ? std::atoi(env) : 0;
-  }();
-  if (forced == 1 || forced == 2 || forced == 4) return forced;
-  return s.pixel_tiles ? 1 : 2;
-}
-
 // 32-bit offsets hold every value byte and location index of the problem.
 bool lean_fits(const ProblemTensors& problem) {
   constexpr int64_t kLimit = int64_t{1} << 31;
@@ -391,13 +368,7 @@ at::Tensor forward(const ProblemTensors& problem, int64_t config) {
     const LaunchShape s = launch_shape(problem, config, kChunkBytes, sizeof(WindowPoint<coord_t>), kSlots, false);
     if (s.window_rows == 0 && lean_fits(problem)) {
       const LaunchShape lean = launch_shape(problem, config, kChunkBytes, lean_meta_size<coord_t>(), kSlots, false);
-      if (lean_points_per_step(lean) == 4) {
-        launch_persistent<scalar_t>(forward_lean_kernel<scalar_t, 4>, problem, lean, out);
-      } else if (lean_points_per_step(lean) == 2) {
-        launch_persistent<scalar_t>(forward_lean_kernel<scalar_t, 2>, problem, lean, out);
-      } else {
-        launch_persistent<scalar_t>(forward_lean_kernel<scalar_t, 1>, problem, lean, out);
-      }
+      launch_persistent<scalar_t>(forward_lean_kernel<scalar_t>, problem, lean, out);
     } else {
       launch_persistent<scalar_t>(forward_kernel<scalar_t>, problem, s, out);
     }
