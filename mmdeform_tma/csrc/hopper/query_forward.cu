@@ -1,0 +1,124 @@
+// `tma_ws` forward for strips of unordered queries (decoders): one warp per (batch, query, head),
+// its lane groups sharing out the query's points, every group's corner loads in flight at once.
+//
+// Why a kernel of its own: a decoder has few queries (300-900 per image), so the window pipeline
+// gives an SM 2-3 CTAs of 3 warps, and each consumer lane walks all of its query's points one after
+// another, paying one memory latency per point. ncu (H100, 2026-11-24, fp16 DETR decoder at bs 2):
+// the windowless kernel ran 15.8 us at 15 % occupancy, IPC 0.8, DRAM 16 %, stalled on long
+// scoreboard; an L2 prefetch of the corners by the producer, and two or four points per lane step,
+// did not move it (perf_notes.md, session 14). Here a query's points are spread over the warp
+// (a group of `team` lanes moves one corner row, 32 / team groups per warp), so the chain is one
+// location load, one round of corner loads and a shuffle sum, with 8x the warps.
+#include <c10/cuda/CUDAException.h>
+
+#include "../common/cuda_runtime_utils.h"
+#include "../common/dtype_dispatch.cuh"
+#include "../common/device_utils.cuh"
+#include "query_forward.h"
+
+namespace mmdeform_tma {
+namespace tma_ws {
+namespace {
+
+constexpr int kWarpsPerBlock = 8;
+constexpr int kLaneBytes = 16;  // a lane's share of a corner row
+constexpr int kPointsPerRound = 2;  // per lane group: 8 corner loads in flight per lane
+
+template <typename scalar_t>
+constexpr int lane_elements() {
+  return kLaneBytes / static_cast<int>(sizeof(scalar_t));
+}
+
+template <typename scalar_t>
+__global__ void __launch_bounds__(32 * kWarpsPerBlock) query_warp_forward_kernel(
+    const Problem<scalar_t> p, scalar_t* __restrict__ output, int team_log2) {
+  using coord_t = coord_type<scalar_t>;
+  using acc_t = acc_type<scalar_t>;
+  constexpr int VEC = lane_elements<scalar_t>();
+  const int item = static_cast<int>(blockIdx.x) * kWarpsPerBlock + static_cast<int>(threadIdx.x / 32);
+  if (item >= p.num_items) return;  // whole warps leave together
+  const int lane = threadIdx.x & 31;
+  const int team = 1 << team_log2;
+  const int chunk = (lane & (team - 1)) * VEC;  // first channel of this lane
+  const int group = lane >> team_log2, groups = 32 >> team_log2;
+
+  // item = (batch * queries + query) * heads + head, the output row
+  const int head = item % p.heads;
+  const int batch = item / (p.heads * p.queries);
+  const int64_t key_stride = static_cast<int64_t>(p.heads) * p.channels;
+  const scalar_t* head_value = p.value + static_cast<int64_t>(batch) * p.num_keys * key_stride + head * p.channels + chunk;
+  const coord_t* locations = p.locations + static_cast<int64_t>(item) * p.levels * p.points * 2;
+  const coord_t* weights = p.weights + static_cast<int64_t>(item) * p.levels * p.points;
+  const int total = p.levels * p.points;
+
+  acc_t acc[VEC];
+#pragma unroll
+  for (int k = 0; k < VEC; ++k) acc[k] = acc_t(0);
+  const bool metadata_ok = level_geometry_ok(p.spatial_shapes, p.level_start, p.levels, p.num_keys);
+
+  for (int first = group; first < total && metadata_ok; first += groups * kPointsPerRound) {
+    Vec<scalar_t, VEC> raw[kPointsPerRound][4];
+    coord_t corner_weight[kPointsPerRound][4];
+#pragma unroll
+    for (int u = 0; u < kPointsPerRound; ++u) {  // every load of the round before any use
+      const int i = first + u * groups;
+      coord_t a = coord_t(0);
+      Bilinear<coord_t> bl{0, 0, coord_t(0), coord_t(0), 0u};
+      LevelGeometry g{0, 0, 0};
+      if (i < total) {
+        g = level_geometry(p.spatial_shapes, p.level_start, i / p.points);
+        a = weights[i];
+        bl = bilinear(locations[2 * i], locations[2 * i + 1], g.height, g.width);
+      }
+      // A point that misses the level, or a corner outside it, reads zeros and keeps its weight:
+      // a x 0 still carries a NaN / Inf weight, as the reference does.
+      const scalar_t* top_left =
+          head_value + (g.start + static_cast<int64_t>(bl.y0) * g.width + bl.x0) * key_stride;
+      const int64_t down = static_cast<int64_t>(g.width) * key_stride;
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        corner_weight[u][c] = bl.valid ? a * bl.weight(c) : a;
+        const scalar_t* corner = top_left + ((c & 2) ? down : 0) + ((c & 1) ? key_stride : 0);
+        raw[u][c] = (bl.valid & (1u << c)) ? load_vec<scalar_t, VEC>(corner) : Vec<scalar_t, VEC>{};
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kPointsPerRound; ++u) {
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        acc_t v[VEC];
+        to_acc(raw[u][c], v);
+        const acc_t w = static_cast<acc_t>(corner_weight[u][c]);
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) acc[k] = fma(w, v[k], acc[k]);
+      }
+    }
+  }
+  // Past the last point a group adds nothing: the sum over groups is the query's.
+#pragma unroll
+  for (int k = 0; k < VEC; ++k) {
+    for (int offset = team; offset < 32; offset <<= 1) acc[k] += __shfl_xor_sync(0xffffffffu, acc[k], offset);
+    if (!metadata_ok) acc[k] = quiet_nan<acc_t>();
+  }
+  if (group == 0) store_vec(output + static_cast<int64_t>(item) * p.channels + chunk, from_acc_vec<scalar_t, VEC>(acc));
+}
+
+}  // namespace
+
+void query_warp_forward(const ProblemTensors& problem, at::Tensor& output) {
+  MMDEFORM_TMA_DISPATCH_VALUE_TYPES(problem.value.scalar_type(), "mmdeform_tma tma_ws query-warp forward", [&] {
+    const int row_bytes = static_cast<int>(problem.channels * problem.value.element_size());
+    const int team = row_bytes / kLaneBytes;  // 1 to 16: require_tma_channels allows 16-256 byte rows
+    TORCH_CHECK(team >= 1 && team <= 32 && (team & (team - 1)) == 0,
+                "mmdeform_tma tma_ws: a head row of ", num(row_bytes), " bytes has no query-warp layout");
+    int team_log2 = 0;
+    while ((1 << team_log2) < team) ++team_log2;
+    const int64_t blocks = (problem.num_items() + kWarpsPerBlock - 1) / kWarpsPerBlock;
+    query_warp_forward_kernel<scalar_t><<<static_cast<unsigned>(blocks), 32 * kWarpsPerBlock, 0, current_stream()>>>(
+        problem.problem<scalar_t>(), reinterpret_cast<scalar_t*>(output.data_ptr()), team_log2);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+}
+
+}  // namespace tma_ws
+}  // namespace mmdeform_tma
