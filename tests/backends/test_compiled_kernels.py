@@ -372,11 +372,16 @@ def test_tma_ws_mma_backward_non_finite_rows_and_large_weights(deterministic):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64], ids=str)
-@pytest.mark.parametrize("case", [CASES[0], CASES[3], CASES[5], CASES[9], CASES[11]], ids=lambda c: c[0])
+@pytest.mark.parametrize(
+    "case",
+    [CASES[0], CASES[3], CASES[5], CASES[8], CASES[9], CASES[11], ("33_levels", [(2, 1)] * 33, 1, 20, 2, 32, 1, "uniform")],
+    ids=lambda c: c[0],
+)
 def test_tma_ws_query_warp_forward_against_float64(case, dtype):
-    """The query-warp forward (`q_warp`, the strips' default) in every dtype: 64-byte rows with
-    points spread over 8 lane groups, 8 points over 5 levels (rounds with missing points), 256- and
-    16-byte rows (2 and 32 lane groups), and an encoder."""
+    """The query-warp forward (`q_warp`) in every dtype: 64-byte rows with points spread over 8
+    lane groups, 40 points (a second round of 32, partly empty), 256- and 16-byte rows (2 and 32
+    lane groups), 14 points over 7 levels, an encoder, and more levels than a warp has lanes (the
+    geometry read per point instead of shuffled)."""
     problem = cuda_problem(case, dtype, seed=37)
     skip_unless_supported("tma_ws", validate(*problem.args()))
     exact = gather_reference(*[t.double() if t.is_floating_point() else t for t in problem.args()])
