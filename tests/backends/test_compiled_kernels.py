@@ -319,7 +319,7 @@ def test_every_tma_ws_config_against_float64(case, dtype):
         check(out, answers[0], f"{name} output")
     backward_names = kernel_configs("tma_ws", "backward")
     shared = [n for n in names if n != "q_warp"]  # the forward's own config, last in its list
-    assert names[-1] == "q_warp" and backward_names[: len(shared)] == shared  # the backward-only ones come last
+    assert names[-1] == "q_warp" and list(backward_names[: len(shared)]) == shared  # the backward-only ones come last
     for config, name in enumerate(backward_names):
         for deterministic in (False, True) if name.endswith("_g") or "_m16" in name else (False,):
             check_backward_config(problem, answers, config, name, deterministic)

@@ -1,14 +1,18 @@
-// `tma_ws` forward for strips of unordered queries (decoders): one warp per (batch, query, head),
-// its lane groups sharing out the query's points, every group's corner loads in flight at once.
+// `tma_ws` forward of the `q_warp` config, for strips of unordered queries (decoders): one warp per
+// (batch, query, head), its lane groups sharing out the query's points, every group's corner loads
+// in flight at once.
 //
-// Why a kernel of its own: a decoder has few queries (300-900 per image), so the window pipeline
-// gives an SM 2-3 CTAs of 3 warps, and each consumer lane walks all of its query's points one after
-// another, paying one memory latency per point. ncu (H100, 2026-11-24, fp16 DETR decoder at bs 2):
-// the windowless kernel ran 15.8 us at 15 % occupancy, IPC 0.8, DRAM 16 %, stalled on long
-// scoreboard; an L2 prefetch of the corners by the producer, and two or four points per lane step,
-// did not move it (perf_notes.md, session 14). Here a query's points are spread over the warp
-// (a group of `team` lanes moves one corner row, 32 / team groups per warp), so the chain is one
-// location load, one round of corner loads and a shuffle sum, with 8x the warps.
+// Why: a decoder has few queries (300-900 per image), so the window pipeline gives an SM 2-3 CTAs
+// of 3 warps, and each consumer lane walks all of its query's points one after another. ncu (H100,
+// 2026-11-24, fp16 DETR decoder at bs 2): the windowless kernel ran 15.8 us at 15 % occupancy, IPC
+// 0.8, DRAM 16 %, stalled on long scoreboard. Here a query's points are spread over the warp (a
+// group of `team` lanes moves one corner row, 32 / team groups per warp): one round of location
+// loads, one of corner loads and a shuffle sum, with 8x the warps. Each point's geometry is computed
+// once, by one lane, and shuffled to the group that loads it.
+//
+// Measured (perf_notes.md, session 14): 2-10 % faster than the best pipeline config on the DETR
+// decoder at bs 2 and 8, 3-36 % slower at 900 queries and at bs 1; the tuning table picks it per
+// shape, and the default never does.
 #include <c10/cuda/CUDAException.h>
 
 #include "../common/cuda_runtime_utils.h"

@@ -55,7 +55,7 @@ const std::vector<Config>& forward_configs();
 const std::vector<Config>& backward_configs();
 std::vector<std::string> config_names();           // forward_configs()'
 std::vector<std::string> backward_config_names();  // backward_configs()'
-// Forward config `config` (-1: the default for this problem) runs the query-warp kernel.
+// Forward config `config` runs the query-warp kernel (never the default, -1).
 bool runs_query_warps(const ProblemTensors& problem, int64_t config);
 
 // What both roles need to agree on; computed on the host, passed by value.

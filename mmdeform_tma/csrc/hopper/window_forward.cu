@@ -1,8 +1,8 @@
 // `tma_ws` forward: the window pipeline's consumers interpolate every point of their queries,
 // level by level, and store each query's output after its last level. Two kernels: the windowed
 // one (configs with a value window, or problems past 32-bit offsets) and a windowless one for the
-// `_l1` configs, which leaves out the window's registers and work (below). Strips of unordered
-// queries (decoders) run neither by default: query_forward.cu.
+// `_l1` configs, which leaves out the window's registers and work (below). The `q_warp` config
+// runs neither: query_forward.cu.
 #include "../common/dtype_dispatch.cuh"
 #include "../common/launchers.h"
 #include "query_forward.h"
