@@ -7,8 +7,8 @@
 Covers every dtype, the fast and the deterministic backward, partial tiles and points outside the
 levels, and for tma_ws every compiled variant with windows (TMA windows, and the MMA backward's
 accumulation windows) and the query-warp forward, on an encoder problem (one query per pixel:
-pixel-block tiles) and a decoder one. Prints one line per case; any error the tool finds is reported by compute-sanitizer
-itself.
+pixel-block tiles) and a decoder one. Prints one line per case; any error the tool finds is
+reported by compute-sanitizer itself.
 """
 
 import argparse
