@@ -6,9 +6,9 @@
 
 Covers every dtype, the fast and the deterministic backward, partial tiles and points outside the
 levels, and for tma_ws every compiled variant with windows (TMA windows, and the MMA backward's
-accumulation windows) and the query-warp forward, on an encoder problem (one query per pixel:
-pixel-block tiles) and a decoder one. Prints one line per case; any error the tool finds is
-reported by compute-sanitizer itself.
+accumulation windows) on an encoder problem (one query per pixel: pixel-block tiles) and a
+decoder one. Prints one line per case; any error the tool finds is reported by compute-sanitizer
+itself.
 """
 
 import argparse
@@ -44,9 +44,6 @@ def window_variants(dtype: torch.dtype) -> None:
                 ops.ms_deform_attn_backward(grad, *args, "tma_ws", index, deterministic)
             torch.cuda.synchronize()
             print(f"tma_ws  {str(dtype):15} {locality:8} {name}: ok")
-        ops.ms_deform_attn_forward(*args, "tma_ws", kernel_configs("tma_ws", "forward").index("q_warp"))
-        torch.cuda.synchronize()
-        print(f"tma_ws  {str(dtype):15} {locality:8} q_warp: ok")
 
 
 def main(argv=None) -> int:

@@ -123,8 +123,9 @@ LaunchShape shape_for(const ProblemTensors& problem, const Config& config, int c
   return s;
 }
 
-// Every config, shared ones first; a direction's list leaves out the other's own.
-const std::vector<Config>& all_configs() {
+}  // namespace
+
+const std::vector<Config>& configs() {
   static const std::vector<Config> all = [] {
     std::vector<Config> list;
     for (int consumer_warps : {4, 2})
@@ -151,55 +152,26 @@ const std::vector<Config>& all_configs() {
     list.push_back({"c4_t32_s3_m16", 4, 32, 3, 0, false, 3, true});
     list.push_back({"c4_t64_s2_m16", 4, 64, 2, 0, false, 3, true});
     list.push_back({"c4_t32_s2_m16_o4", 4, 32, 2, 0, false, 4, true});
-    // Forward only: one warp per (batch, query, head), for decoders (query_forward.cu).
-    Config query_warps{"q_warp", 0, 0, 0, 0};
-    query_warps.query_warps = true;
-    list.push_back(query_warps);
     return list;
   }();
   return all;
 }
 
-std::vector<Config> configs_where(bool (Config::*excluded)() const) {
-  std::vector<Config> list;
-  for (const auto& c : all_configs())
-    if (!(c.*excluded)()) list.push_back(c);
-  return list;
-}
-
-std::vector<std::string> names_of(const std::vector<Config>& list) {
+std::vector<std::string> config_names() {
   std::vector<std::string> names;
-  for (const auto& c : list) names.push_back(c.name);
+  for (const auto& c : configs())
+    if (!c.backward_only()) names.push_back(c.name);
   return names;
 }
 
-}  // namespace
-
-const std::vector<Config>& forward_configs() {
-  static const std::vector<Config> list = configs_where(&Config::backward_only);
-  return list;
+std::vector<std::string> backward_config_names() {
+  std::vector<std::string> names;
+  for (const auto& c : configs()) names.push_back(c.name);
+  return names;
 }
-
-const std::vector<Config>& backward_configs() {
-  static const std::vector<Config> list = configs_where(&Config::forward_only);
-  return list;
-}
-
-std::vector<std::string> config_names() { return names_of(forward_configs()); }
-std::vector<std::string> backward_config_names() { return names_of(backward_configs()); }
 
 bool is_mma_config(int64_t config) {
-  return config >= 0 && config < static_cast<int64_t>(backward_configs().size()) && backward_configs()[config].mma;
-}
-
-bool runs_query_warps(const ProblemTensors& problem, int64_t config) {
-  if (config >= 0) {
-    TORCH_CHECK(config < static_cast<int64_t>(forward_configs().size()), "mmdeform_tma tma_ws: config ", num(config),
-                " out of range");
-    return forward_configs()[config].query_warps;
-  }
-  (void)problem;  // only the tuning table picks it: it wins on some decoder shapes and loses on others
-  return false;
+  return config >= 0 && config < static_cast<int64_t>(configs().size()) && configs()[config].mma;
 }
 
 LaunchShape launch_shape(const ProblemTensors& problem, int64_t config, int chunk_bytes, int meta_size,
@@ -207,12 +179,11 @@ LaunchShape launch_shape(const ProblemTensors& problem, int64_t config, int chun
   const int row_bytes = static_cast<int>(problem.channels * problem.value.element_size());
   const int limit = current_device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin);
   if (config >= 0) {
-    const std::vector<Config>& list = backward ? backward_configs() : forward_configs();
-    TORCH_CHECK(config < static_cast<int64_t>(list.size()), "mmdeform_tma tma_ws: config ", num(config), " out of range");
-    TORCH_CHECK(!list[config].query_warps, "mmdeform_tma tma_ws: config ", list[config].name, " has no pipeline");
-    const LaunchShape s = shape_for(problem, list[config], chunk_bytes, meta_size, max_slots_per_team,
+    const int64_t count = static_cast<int64_t>(backward ? configs().size() : config_names().size());
+    TORCH_CHECK(config < count, "mmdeform_tma tma_ws: config ", num(config), " out of range");
+    const LaunchShape s = shape_for(problem, configs()[config], chunk_bytes, meta_size, max_slots_per_team,
                                     backward ? gather_entry_size : 0, backward && mma_kernel);
-    TORCH_CHECK(s.total_bytes <= limit, "mmdeform_tma tma_ws: config ", list[config].name, " needs ",
+    TORCH_CHECK(s.total_bytes <= limit, "mmdeform_tma tma_ws: config ", configs()[config].name, " needs ",
                 num(s.total_bytes), " bytes of shared memory for ", num(problem.points), " points per level; the GPU allows ",
                 num(limit));
     return s;

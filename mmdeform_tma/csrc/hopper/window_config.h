@@ -41,22 +41,15 @@ struct Config {
   // window on the tensor cores and reduce each touched cell once (window_backward.cu). No value
   // window is loaded: corners come through L1.
   bool mma = false;
-  // Forward only: no pipeline, one warp per (batch, query, head) with its points spread over the
-  // warp (query_forward.cu); the other fields do not apply.
-  bool query_warps = false;
 
   bool backward_only() const { return gather || ctas_per_sm != 3 || mma; }
-  bool forward_only() const { return query_warps; }
 };
 
-// Each direction's configs, in the order of their indices (the names the tuning table keeps):
-// the shared ones first, then that direction's own.
-const std::vector<Config>& forward_configs();
-const std::vector<Config>& backward_configs();
-std::vector<std::string> config_names();           // forward_configs()'
-std::vector<std::string> backward_config_names();  // backward_configs()'
-// Forward config `config` runs the query-warp kernel (never the default, -1).
-bool runs_query_warps(const ProblemTensors& problem, int64_t config);
+const std::vector<Config>& configs();
+// The forward's configs: every config but the backward-only ones, which come last, so that an
+// index means the same config in both directions.
+std::vector<std::string> config_names();
+std::vector<std::string> backward_config_names();  // all of configs()
 
 // What both roles need to agree on; computed on the host, passed by value.
 struct LaunchShape {

@@ -1,11 +1,9 @@
 // `tma_ws` forward: the window pipeline's consumers interpolate every point of their queries,
 // level by level, and store each query's output after its last level. Two kernels: the windowed
 // one (configs with a value window, or problems past 32-bit offsets) and a windowless one for the
-// `_l1` configs, which leaves out the window's registers and work (below). The `q_warp` config
-// runs neither: query_forward.cu.
+// `_l1` configs, which leaves out the window's registers and work (below).
 #include "../common/dtype_dispatch.cuh"
 #include "../common/launchers.h"
-#include "query_forward.h"
 #include "window_launch.cuh"
 #include "window_pipeline.cuh"
 
@@ -363,10 +361,6 @@ at::Tensor forward(const ProblemTensors& problem, int64_t config) {
   if (problem.levels * problem.points == 0) return output.zero_();
   hopper::require_hopper("tma_ws");
   hopper::require_tma_channels(problem.value, "tma_ws");
-  if (runs_query_warps(problem, config)) {
-    query_warp_forward(problem, output);
-    return output;
-  }
   MMDEFORM_TMA_DISPATCH_VALUE_TYPES(problem.value.scalar_type(), "mmdeform_tma tma_ws forward", [&] {
     constexpr int kSlots = max_forward_slots_per_team(kVec<scalar_t>);
     using coord_t = coord_type<scalar_t>;
