@@ -406,3 +406,73 @@ def test_tma_ws_window_forward_non_finite_values():
         assert torch.equal(torch.isnan(out), torch.isnan(expected)), name
         assert torch.equal(torch.isinf(out), torch.isinf(expected)), name
         check(out[finite], expected[finite], f"{name} finite output")
+
+
+# Cases for the value gradient's layouts: a decoder (32 channels), 8-, 64- and 128-channel rows,
+# and an encoder, where every cell is touched.
+LAYOUT_CASES = [CASES[0], CASES[11], CASES[3], CASES[4], CASES[9]]
+
+
+def backward_with_layout(monkeypatch, layout, problem, grad_output, backend, deterministic):
+    monkeypatch.setenv("MMDEFORM_TMA_GRAD_VALUE_LAYOUT", layout)
+    return torch.ops.mmdeform_tma.ms_deform_attn_backward(grad_output, *problem.args(), backend, -1, deterministic)
+
+
+@pytest.mark.parametrize("backend", COMPILED_BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", LAYOUT_CASES, ids=lambda c: c[0])
+def test_value_gradient_layouts_against_float64(monkeypatch, backend, dtype, case):
+    """grad_value accumulated densely and in touched rows only (MMDEFORM_TMA_GRAD_VALUE_LAYOUT),
+    fast and deterministic, against float64. The deterministic sums are integers with the same
+    scale in both layouts, so those two results are bitwise equal."""
+    problem = cuda_problem(case, dtype, seed=37)
+    skip_unless_supported(backend, validate(*problem.args()))
+    _, grad_output, exact_grads, geometry32 = float64_answers(problem, dtype)
+    deterministic_results = []
+    for layout in ("dense", "touched"):
+        for deterministic in (False, True):
+            grads = backward_with_layout(monkeypatch, layout, problem, grad_output, backend, deterministic)
+            for i, (what, got, want) in enumerate(zip(("grad_value", "grad_locations", "grad_weights"), grads, exact_grads)):
+                assert got.dtype == problem.args()[(0, 3, 4)[i]].dtype
+                check(got, want, f"{layout} deterministic={deterministic} {what}", geometry32[i] if i > 0 else None)
+            if deterministic:
+                deterministic_results.append(grads[0])
+    assert torch.equal(deterministic_results[0], deterministic_results[1])
+
+
+@pytest.mark.parametrize("backend", COMPILED_BACKENDS)
+@pytest.mark.parametrize("deterministic", [False, True], ids=["fast", "deterministic"])
+def test_touched_rows_carry_non_finite_gradients(monkeypatch, backend, deterministic):
+    """A NaN or Inf in grad_output reaches exactly the value cells the reference's does when only
+    touched rows accumulate; every other cell is exactly zero."""
+    problem = cuda_problem(CASES[0], torch.float16, seed=41)
+    skip_unless_supported(backend, validate(*problem.args()))
+    value, shapes, starts, loc, attn = problem.args()
+    exact_inputs = [t.detach().double().requires_grad_() for t in (value, loc, attn)]
+    exact = gather_reference(exact_inputs[0], shapes, starts, exact_inputs[1], exact_inputs[2])
+    grad_output = torch.randn(exact.shape, device="cuda", dtype=torch.float16)
+    grad_output[0, 7] = float("nan")
+    grad_output[1, 40, 40] = float("inf")
+    grad_output[1, 41, 100] = -float("inf")
+    (want,) = torch.autograd.grad(exact, exact_inputs[0], grad_output.double())
+    got = backward_with_layout(monkeypatch, "touched", problem, grad_output, backend, deterministic)[0]
+    assert torch.equal(torch.isnan(got), torch.isnan(want))
+    assert torch.equal(torch.isinf(got), torch.isinf(want)) and torch.equal(got[torch.isinf(want)], want[torch.isinf(want)].half())
+    finite = torch.isfinite(want)
+    check(got[finite], want[finite], "finite grad_value")
+    assert torch.equal(got[want == 0], torch.zeros_like(got[want == 0]))
+
+
+def test_value_gradient_layout_names_what_it_cannot_do(monkeypatch):
+    """Forcing touched rows where they cannot run raises with the reason, as does an unknown
+    layout; `auto` runs."""
+    if reason := backend_skip_reason("cuda"):
+        pytest.skip(reason)
+    problem = cuda_problem(CASES[6], torch.float16)  # 6 channels per head
+    grad_output = torch.randn(problem.value.shape[0], problem.sampling_locations.shape[1], 18, device="cuda", dtype=torch.float16)
+    with pytest.raises(RuntimeError, match=r"touched: channels per head \(6\) is not a power of two >= 8"):
+        backward_with_layout(monkeypatch, "touched", problem, grad_output, "cuda", False)
+    with pytest.raises(RuntimeError, match="is 'dense', 'touched' or 'auto', not 'sparse'"):
+        backward_with_layout(monkeypatch, "sparse", problem, grad_output, "cuda", False)
+    grads = backward_with_layout(monkeypatch, "auto", problem, grad_output, "cuda", False)
+    assert grads[0].shape == problem.value.shape

@@ -554,3 +554,33 @@ def test_benchmark_e2e_turns_any_failure_into_an_error_row_and_goes_on(tmp_path,
     assert [(r["compile_scope"], r["error"]) for r in results] == [
         (None, None), ("layers", "AssertionError: graph trees broke"), ("network", "AssertionError: graph trees broke")
     ]
+
+
+def test_profile_call_lists_each_call_s_kernels(tmp_path):
+    import profile_call
+
+    out = tmp_path / "calls"
+    assert profile_call.main(["--device", "cpu", "--calls", "2", "--warmup", "1", "--deterministic", "both",
+                              "--grad-value-layouts", "dense", "touched", "--out", str(out)]) == 0
+    rows = json.loads(out.with_suffix(".json").read_text())["results"]
+    assert [(r["deterministic"], r["grad_value_layout"]) for r in rows] == [(False, "dense"), (False, "touched"), (True, "dense"), (True, "touched")]
+    for r in rows:
+        assert r["backend"] == "pytorch" and r["kernels"] and r["total_us_per_call"] > 0
+        assert abs(sum(k["us_per_call"] for k in r["kernels"]) - r["total_us_per_call"]) < 1e-6
+        assert all(k["launches_per_call"] > 0 for k in r["kernels"])
+    assert "**total**" in out.with_suffix(".md").read_text()
+    assert "MMDEFORM_TMA_GRAD_VALUE_LAYOUT" not in __import__("os").environ
+
+
+def test_profile_call_restores_the_layout_variable(monkeypatch):
+    import os
+
+    import profile_call
+
+    monkeypatch.setenv(profile_call.LAYOUT_VARIABLE, "dense")
+    with profile_call.grad_value_layout("touched"):
+        assert os.environ[profile_call.LAYOUT_VARIABLE] == "touched"
+    assert os.environ[profile_call.LAYOUT_VARIABLE] == "dense"
+    monkeypatch.delenv(profile_call.LAYOUT_VARIABLE)
+    with profile_call.grad_value_layout(None):
+        assert profile_call.LAYOUT_VARIABLE not in os.environ

@@ -256,7 +256,8 @@ at::Tensor forward(const ProblemTensors& problem, int64_t config) {
 }
 
 Gradients backward(const ProblemTensors& problem, const at::Tensor& grad_output, int64_t config, bool deterministic) {
-  return run_backward(problem, grad_output, deterministic, "mmdeform_tma tma backward",
+  return run_backward(problem, grad_output, deterministic, grad_value_layout(problem, deterministic),
+                      "mmdeform_tma tma backward",
                       [&](auto sink, const auto* go, auto* grad_locations, auto* grad_weights) {
     using scalar_t = ScalarOf<decltype(go)>;
     check_tma_problem<scalar_t>(problem, "tma");
