@@ -422,9 +422,9 @@ def backward_with_layout(monkeypatch, layout, problem, grad_output, backend, det
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", LAYOUT_CASES, ids=lambda c: c[0])
 def test_value_gradient_layouts_against_float64(monkeypatch, backend, dtype, case):
-    """grad_value accumulated densely and in touched rows only (MMDEFORM_TMA_GRAD_VALUE_LAYOUT),
-    fast and deterministic, against float64. The deterministic sums are integers with the same
-    scale in both layouts, so those two results are bitwise equal."""
+    """grad_value with its whole accumulator zeroed and with only the touched cells' rows zeroed
+    (MMDEFORM_TMA_GRAD_VALUE_LAYOUT), fast and deterministic, against float64. The deterministic
+    sums are the same integers in both layouts, so those two results are bitwise equal."""
     problem = cuda_problem(case, dtype, seed=37)
     skip_unless_supported(backend, validate(*problem.args()))
     _, grad_output, exact_grads, geometry32 = float64_answers(problem, dtype)
@@ -442,9 +442,9 @@ def test_value_gradient_layouts_against_float64(monkeypatch, backend, dtype, cas
 
 @pytest.mark.parametrize("backend", COMPILED_BACKENDS)
 @pytest.mark.parametrize("deterministic", [False, True], ids=["fast", "deterministic"])
-def test_touched_rows_carry_non_finite_gradients(monkeypatch, backend, deterministic):
+def test_touched_cells_carry_non_finite_gradients(monkeypatch, backend, deterministic):
     """A NaN or Inf in grad_output reaches exactly the value cells the reference's does when only
-    touched rows accumulate; every other cell is exactly zero."""
+    the touched cells' rows are zeroed; every other cell is exactly zero."""
     problem = cuda_problem(CASES[0], torch.float16, seed=41)
     skip_unless_supported(backend, validate(*problem.args()))
     value, shapes, starts, loc, attn = problem.args()
@@ -464,13 +464,13 @@ def test_touched_rows_carry_non_finite_gradients(monkeypatch, backend, determini
 
 
 def test_value_gradient_layout_names_what_it_cannot_do(monkeypatch):
-    """Forcing touched rows where they cannot run raises with the reason, as does an unknown
+    """Forcing touched cells where they cannot run raises with the reason, as does an unknown
     layout; `auto` runs."""
     if reason := backend_skip_reason("cuda"):
         pytest.skip(reason)
     problem = cuda_problem(CASES[6], torch.float16)  # 6 channels per head
     grad_output = torch.randn(problem.value.shape[0], problem.sampling_locations.shape[1], 18, device="cuda", dtype=torch.float16)
-    with pytest.raises(RuntimeError, match=r"touched: channels per head \(6\) is not a power of two >= 8"):
+    with pytest.raises(RuntimeError, match=r"touched: channels per head \(6\) is not a multiple of 8"):
         backward_with_layout(monkeypatch, "touched", problem, grad_output, "cuda", False)
     with pytest.raises(RuntimeError, match="is 'dense', 'touched' or 'auto', not 'sparse'"):
         backward_with_layout(monkeypatch, "sparse", problem, grad_output, "cuda", False)

@@ -1,11 +1,9 @@
 #include "cuda_runtime_utils.h"
 #include <c10/cuda/CUDAException.h>
 
-#include <climits>
 #include <cstdlib>
 #include <cstring>
 #include <string>
-#include <vector>
 
 #include "dtype_dispatch.cuh"
 #include "grad_accumulation.cuh"
@@ -16,6 +14,18 @@ namespace {
 constexpr int kThreads = 256;
 
 __device__ __forceinline__ float abs_if_finite(float x) { return isfinite(x) ? fabsf(x) : 0.0f; }
+
+// Touched cells, one bit per (batch, key, head) cell. `words` null: every cell counts as touched.
+struct TouchedCells {
+  const uint32_t* __restrict__ words;
+  int64_t channels;
+
+  __device__ __forceinline__ bool has_element(int64_t element) const {
+    if (words == nullptr) return true;
+    const int64_t cell = element / channels;
+    return (__ldg(words + (cell >> 5)) >> (cell & 31)) & 1u;
+  }
+};
 
 template <typename coord_t, typename scalar_t>
 __global__ void __launch_bounds__(kThreads) fixed_point_bounds_kernel(
@@ -43,19 +53,18 @@ __global__ void __launch_bounds__(kThreads) fixed_point_bounds_kernel(
 template <typename scalar_t>
 __global__ void __launch_bounds__(kThreads) fixed_point_finalize_kernel(
     const long long* __restrict__ fixed, const uint32_t* __restrict__ flags, const FixedPointBounds* __restrict__ bounds,
-    int64_t contributions_per_element, TouchedRows rows, int64_t numel, scalar_t* __restrict__ out) {
+    int64_t contributions_per_element, TouchedCells touched, int64_t numel, scalar_t* __restrict__ out) {
   const double inv_scale = 1.0 / fixed_point_scale(bounds, contributions_per_element);
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < numel; i += stride) {
-    const int64_t at = rows(i);
-    if (at < 0) {
+    if (!touched.has_element(i)) {  // never zeroed: nothing was added there
       out[i] = static_cast<scalar_t>(0.0f);
       continue;
     }
-    const uint32_t flag = (flags[at >> 2] >> (8 * (at & 3))) & 0xffu;
+    const uint32_t flag = (flags[i >> 2] >> (8 * (i & 3))) & 0xffu;
     double x;
     if (flag == 0) {
-      x = static_cast<double>(fixed[at]) * inv_scale;
+      x = static_cast<double>(fixed[i]) * inv_scale;
     } else if ((flag & kNaN) || ((flag & kPosInf) && (flag & kNegInf))) {
       x = quiet_nan<double>();
     } else {
@@ -65,16 +74,15 @@ __global__ void __launch_bounds__(kThreads) fixed_point_finalize_kernel(
   }
 }
 
-// One thread per sampling point (item, level, point): the cells of its valid corners get rows.
-// The corners come from the same `bilinear` as every backward kernel's, so the claimed cells are
-// exactly the cells the kernel adds to. The first claimer of a cell takes the next row and
-// zeroes it (and its non-finite flags); rows are numbered from the counter, which starts at -1.
+// One thread per sampling point (item, level, point): marks the cells of its valid corners and
+// zeroes the accumulator row (and the fixed-point flags) of each cell it marks first. The corners
+// come from the same `bilinear` as every backward kernel's, so the marked cells are exactly the
+// cells the kernels add to.
 template <typename coord_t>
-__global__ void __launch_bounds__(kThreads) claim_touched_rows_kernel(
+__global__ void __launch_bounds__(kThreads) claim_touched_cells_kernel(
     const coord_t* __restrict__ locations, const int64_t* __restrict__ shapes, const int64_t* __restrict__ starts,
-    int64_t num_points, int queries, int heads, int levels, int points, int64_t num_keys, int* __restrict__ slot,
-    int* __restrict__ row_counter, uint4* __restrict__ rows, int row_words, uint32_t* __restrict__ flag_rows,
-    int flag_words) {
+    int64_t num_points, int queries, int heads, int levels, int points, int64_t num_keys, uint32_t* __restrict__ touched,
+    uint4* __restrict__ rows, int row_words, uint32_t* __restrict__ flag_rows, int flag_words) {
   if (!level_geometry_ok(shapes, starts, levels, num_keys)) return;  // the kernels add nothing either
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < num_points; i += stride) {
@@ -88,42 +96,36 @@ __global__ void __launch_bounds__(kThreads) claim_touched_rows_kernel(
     for (int c = 0; c < 4; ++c) {
       if (!(bl.valid & (1u << c))) continue;
       const int64_t key = batch * num_keys + g.start + static_cast<int64_t>(bl.y0 + (c >> 1)) * g.width + bl.x0 + (c & 1);
-      int* cell = slot + key * heads + head;
-      if (*cell != -1 || atomicCAS(cell, -1, -2) != -1) continue;  // a row is taken, or being taken
-      const int row = atomicAdd(row_counter, 1) + 1;
-      for (int w = 0; w < row_words; ++w) rows[static_cast<int64_t>(row) * row_words + w] = make_uint4(0u, 0u, 0u, 0u);
-      for (int w = 0; w < flag_words; ++w) flag_rows[static_cast<int64_t>(row) * flag_words + w] = 0u;
-      *cell = row;
+      const int64_t cell = key * heads + head;
+      const uint32_t bit = 1u << (cell & 31);
+      uint32_t* word = touched + (cell >> 5);
+      if ((*word & bit) || (atomicOr(word, bit) & bit)) continue;  // marked already
+      for (int w = 0; w < row_words; ++w) rows[cell * row_words + w] = make_uint4(0u, 0u, 0u, 0u);
+      for (int w = 0; w < flag_words; ++w) flag_rows[cell * flag_words + w] = 0u;
     }
   }
 }
 
-// The fp32 touched rows into a dense gradient in value's dtype, 8 elements (a row's aligned
-// eighth or less) per step; untouched cells are zero.
+// The fp32 accumulator into the gradient in value's dtype, 8 elements (of one cell: channels is a
+// multiple of 8) per step; cells nobody touched are zero.
 template <typename scalar_t>
-__global__ void __launch_bounds__(kThreads) touched_rows_to_dense_kernel(
-    const float* __restrict__ rows_buffer, TouchedRows rows, int64_t numel, scalar_t* __restrict__ out) {
+__global__ void __launch_bounds__(kThreads) touched_cells_to_value_dtype_kernel(
+    const float* __restrict__ buffer, TouchedCells touched, int64_t numel, scalar_t* __restrict__ out) {
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x * 8;
   for (int64_t i = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) * 8; i < numel; i += stride) {
-    const int64_t at = rows(i);
-    float v[8];
-    if (at < 0) {
-#pragma unroll
-      for (int k = 0; k < 8; ++k) v[k] = 0.0f;
-    } else {
-      const float4 lo = *reinterpret_cast<const float4*>(rows_buffer + at);
-      const float4 hi = *reinterpret_cast<const float4*>(rows_buffer + at + 4);
+    float v[8] = {};
+    if (touched.has_element(i)) {
+      const float4 lo = *reinterpret_cast<const float4*>(buffer + i);
+      const float4 hi = *reinterpret_cast<const float4*>(buffer + i + 4);
       v[0] = lo.x, v[1] = lo.y, v[2] = lo.z, v[3] = lo.w, v[4] = hi.x, v[5] = hi.y, v[6] = hi.z, v[7] = hi.w;
     }
     Vec<scalar_t, 8> packed;
 #pragma unroll
     for (int k = 0; k < 8; ++k) packed.v[k] = static_cast<scalar_t>(v[k]);
-    if constexpr (sizeof(scalar_t) == 4) {
-      reinterpret_cast<uint4*>(out + i)[0] = reinterpret_cast<const uint4*>(&packed)[0];
-      reinterpret_cast<uint4*>(out + i)[1] = reinterpret_cast<const uint4*>(&packed)[1];
-    } else {
-      *reinterpret_cast<uint4*>(out + i) = *reinterpret_cast<const uint4*>(&packed);
-    }
+    const uint4* from = reinterpret_cast<const uint4*>(&packed);
+    uint4* to = reinterpret_cast<uint4*>(out + i);
+#pragma unroll
+    for (int k = 0; k < static_cast<int>(sizeof(packed) / 16); ++k) to[k] = from[k];
   }
 }
 
@@ -132,16 +134,10 @@ int grid_for(int64_t n) {
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>((n + kThreads - 1) / kThreads, sms * 8)));
 }
 
-}  // namespace
-
-namespace {
-
-// Why the touched-rows layout cannot hold this problem's gradient, or empty.
-std::string touched_rows_unsupported(const ProblemTensors& problem) {
-  const int64_t c = problem.channels;
+// Why touched cells cannot hold this problem's gradient, or empty.
+std::string touched_cells_unsupported(const ProblemTensors& problem) {
   if (problem.value.scalar_type() == at::kDouble) return "fp64 values accumulate densely";
-  if (c < 8 || (c & (c - 1)) != 0) return "channels per head (" + num(c) + ") is not a power of two >= 8";
-  if (problem.batch * problem.num_keys * problem.heads >= INT_MAX) return "value has 2^31 or more (batch, key, head) cells";
+  if (problem.channels % 8 != 0) return "channels per head (" + num(problem.channels) + ") is not a multiple of 8";
   return {};
 }
 
@@ -149,19 +145,19 @@ std::string touched_rows_unsupported(const ProblemTensors& problem) {
 
 GradValueLayout grad_value_layout(const ProblemTensors& problem, bool deterministic) {
   const char* forced = std::getenv("MMDEFORM_TMA_GRAD_VALUE_LAYOUT");
-  const std::string unsupported = touched_rows_unsupported(problem);
   if (forced != nullptr && std::strcmp(forced, "dense") == 0) return GradValueLayout::kDense;
+  const std::string unsupported = touched_cells_unsupported(problem);
   if (forced != nullptr && std::strcmp(forced, "touched") == 0) {
     TORCH_CHECK(unsupported.empty(), "MMDEFORM_TMA_GRAD_VALUE_LAYOUT=touched: ", unsupported);
-    return GradValueLayout::kTouchedRows;
+    return GradValueLayout::kTouchedCells;
   }
   TORCH_CHECK(forced == nullptr || forced[0] == '\0' || std::strcmp(forced, "auto") == 0,
               "MMDEFORM_TMA_GRAD_VALUE_LAYOUT is 'dense', 'touched' or 'auto', not '", forced, "'");
-  // fp32's dense buffer is the result itself: touched rows save it nothing.
+  // fp32's fast buffer is the result itself: there is no final pass to save.
   const bool dense_costs_a_pass = deterministic || problem.value.element_size() == 2;
   const int64_t corners_per_batch_head = 4 * problem.queries * problem.levels * problem.points;
   return unsupported.empty() && dense_costs_a_pass && corners_per_batch_head <= problem.num_keys
-             ? GradValueLayout::kTouchedRows
+             ? GradValueLayout::kTouchedCells
              : GradValueLayout::kDense;
 }
 
@@ -169,33 +165,22 @@ ValueGradient::ValueGradient(const ProblemTensors& problem, const at::Tensor& gr
                              GradValueLayout layout)
     : value_(problem.value), deterministic_(deterministic) {
   const auto acc_dtype = problem.value.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  const bool touched = layout == GradValueLayout::kTouchedRows;
-  std::vector<int64_t> shape(problem.value.sizes().begin(), problem.value.sizes().end());
-  int64_t elements = problem.value.numel();
-  if (touched) {
-    // At most one row per cell, and at most four per sampling point.
-    const int64_t cells = problem.batch * problem.num_keys * problem.heads;
-    const int64_t rows = std::min(cells, 4 * problem.num_items() * problem.levels * problem.points);
-    shape = {rows, problem.channels};
-    elements = rows * problem.channels;
-    while ((int64_t(1) << channels_log2_) < problem.channels) ++channels_log2_;
-    slot_ = at::empty({cells + 1}, problem.value.options().dtype(at::kInt));
-    C10_CUDA_CHECK(cudaMemsetAsync(slot_.data_ptr<int32_t>(), 0xFF, slot_.nbytes(), current_stream()));  // all -1
-  }
-  // Touched rows are zeroed when claimed.
+  const bool touched = layout == GradValueLayout::kTouchedCells;
+  // Touched cells' rows are zeroed by the claim pass; the rest is never read.
   const auto allocate = [&](at::IntArrayRef sizes, at::ScalarType type) {
-    return touched ? at::empty(sizes, problem.value.options().dtype(type))
-                   : at::zeros(sizes, problem.value.options().dtype(type));
+    const auto options = problem.value.options().dtype(type);
+    return touched ? at::empty(sizes, options) : at::zeros(sizes, options);
   };
+  const int64_t numel = problem.value.numel();
   if (!deterministic) {
-    buffer_ = allocate(shape, acc_dtype);
+    buffer_ = allocate(problem.value.sizes(), acc_dtype);
   } else {
-    buffer_ = allocate(shape, at::kLong);
-    flags_ = allocate({(elements + 3) / 4}, at::kInt);
+    buffer_ = allocate(problem.value.sizes(), at::kLong);
+    flags_ = allocate({(numel + 3) / 4}, at::kInt);
     bounds_ = at::zeros({2}, problem.value.options().dtype(at::kInt));
     contributions_per_element_ = problem.queries * problem.points;
   }
-  if (touched) claim_touched_rows(problem);
+  if (touched) claim_touched_cells(problem);
   if (!deterministic) return;
   const auto stream = current_stream();
   MMDEFORM_TMA_DISPATCH_VALUE_TYPES(problem.value.scalar_type(), "fixed-point bounds", [&] {
@@ -210,43 +195,45 @@ ValueGradient::ValueGradient(const ProblemTensors& problem, const at::Tensor& gr
   });
 }
 
-void ValueGradient::claim_touched_rows(const ProblemTensors& problem) {
+void ValueGradient::claim_touched_cells(const ProblemTensors& problem) {
+  const int64_t cells = problem.batch * problem.num_keys * problem.heads;
+  touched_ = at::empty({(cells + 31) / 32}, problem.value.options().dtype(at::kInt));
+  C10_CUDA_CHECK(cudaMemsetAsync(touched_.data_ptr(), 0, touched_.nbytes(), current_stream()));
   const int64_t num_points = problem.num_items() * problem.levels * problem.points;
   if (num_points == 0) return;
-  // channels is a power of two >= 8: a row is whole 16-byte words, its flags (a byte per
+  // channels is a multiple of 8: a cell's row is whole 16-byte words, its flags (a byte per
   // element) whole 4-byte words.
   const int row_words = static_cast<int>(problem.channels * buffer_.element_size() / 16);
   const int flag_words = deterministic_ ? static_cast<int>(problem.channels / 4) : 0;
-  claim_touched_rows_kernel<float><<<grid_for(num_points), kThreads, 0, current_stream()>>>(
+  claim_touched_cells_kernel<float><<<grid_for(num_points), kThreads, 0, current_stream()>>>(
       problem.sampling_locations.data_ptr<float>(), problem.spatial_shapes.data_ptr<int64_t>(),
       problem.level_start_index.data_ptr<int64_t>(), num_points, static_cast<int>(problem.queries),
       static_cast<int>(problem.heads), static_cast<int>(problem.levels), static_cast<int>(problem.points), problem.num_keys,
-      slot_.data_ptr<int32_t>(), slot_.data_ptr<int32_t>() + (slot_.numel() - 1),
-      reinterpret_cast<uint4*>(buffer_.data_ptr()), row_words,
+      reinterpret_cast<uint32_t*>(touched_.data_ptr<int32_t>()), reinterpret_cast<uint4*>(buffer_.data_ptr()), row_words,
       deterministic_ ? reinterpret_cast<uint32_t*>(flags_.data_ptr<int32_t>()) : nullptr, flag_words);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 at::Tensor ValueGradient::finish() {
-  if (!deterministic_ && !slot_.defined()) {
+  if (!deterministic_ && !touched_.defined()) {
     return buffer_.scalar_type() == value_.scalar_type() ? buffer_ : buffer_.to(value_.scalar_type());
   }
   at::Tensor out = at::empty_like(value_);
   const int64_t numel = out.numel();
   if (numel == 0) return out;
+  const TouchedCells touched{touched_.defined() ? reinterpret_cast<const uint32_t*>(touched_.data_ptr<int32_t>()) : nullptr,
+                             value_.size(-1)};
   const auto stream = current_stream();
   MMDEFORM_TMA_DISPATCH_VALUE_TYPES(value_.scalar_type(), "value gradient", [&] {
-    if (!deterministic_) {
-      if constexpr (!std::is_same_v<scalar_t, double>) {  // touched rows are never fp64
-        touched_rows_to_dense_kernel<scalar_t><<<grid_for(numel / 8), kThreads, 0, stream>>>(
-            buffer_.data_ptr<float>(), rows(), numel, reinterpret_cast<scalar_t*>(out.data_ptr()));
-      }
-    } else {
+    if (deterministic_) {
       fixed_point_finalize_kernel<scalar_t><<<grid_for(numel), kThreads, 0, stream>>>(
           reinterpret_cast<const long long*>(buffer_.data_ptr<int64_t>()),
           reinterpret_cast<const uint32_t*>(flags_.data_ptr<int32_t>()),
-          reinterpret_cast<const FixedPointBounds*>(bounds_.data_ptr<int32_t>()), contributions_per_element_, rows(),
+          reinterpret_cast<const FixedPointBounds*>(bounds_.data_ptr<int32_t>()), contributions_per_element_, touched,
           numel, reinterpret_cast<scalar_t*>(out.data_ptr()));
+    } else if constexpr (!std::is_same_v<scalar_t, double>) {  // fp64 is never in touched cells
+      touched_cells_to_value_dtype_kernel<scalar_t><<<grid_for(numel / 8), kThreads, 0, stream>>>(
+          buffer_.data_ptr<float>(), touched, numel, reinterpret_cast<scalar_t*>(out.data_ptr()));
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });

@@ -11,11 +11,12 @@
 // quantum is that bound times 2^-62. Non-finite contributions set per-element flags instead, which
 // the finalize step turns back into NaN / +Inf / -Inf exactly as IEEE addition would.
 //
-// Either buffer is dense (one accumulator row per (batch, key, head) cell of value) or holds only
-// the touched rows: when the sampling points' corners cover few of value's cells (decoders), a
-// claim pass gives each touched cell a row of a compact buffer, and the final pass writes the
-// whole gradient in value's dtype from it. A half-precision decoder then never zeroes, reads and
-// converts a dense fp32 buffer, which was half of its backward (perf_notes, session 14).
+// Either buffer is zeroed whole (dense), or only in the rows of the (batch, key, head) cells that
+// a valid corner touches (touched cells): when the corners cover few of value's cells, as in
+// decoders, a claim pass marks and zeroes those rows and the final pass writes the whole gradient
+// in value's dtype, zero for every other cell. Kernels add to the same addresses either way. A
+// half-precision decoder then never zeroes, reads and converts the whole fp32 buffer, which was
+// half of its backward (perf_notes, session 14).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -69,52 +70,15 @@ __device__ __forceinline__ void atomic_add_vec(double* dst, const double (&v)[N]
   for (int i = 0; i < N; ++i) atomicAdd(dst + i, v[i]);
 }
 
-// Where a cell's accumulator row lives. `slot` null: the dense buffer, element index unchanged;
-// otherwise slot[cell] is the cell's row in the compact buffer (channels a power of two), or -1
-// for a cell no corner touches. Only the MMA backward adds to such cells, and only exact zeros
-// (it reduces whole windows), so those adds are dropped.
-struct TouchedRows {
-  const int* __restrict__ slot;
-  int channels_log2;
-
-  // The accumulator index of value element `index`, or -1 to drop the add.
-  __device__ __forceinline__ int64_t operator()(int64_t index) const {
-    if (slot == nullptr) return index;
-    const int row = __ldg(slot + (index >> channels_log2));  // written by an earlier launch
-    if (row < 0) return -1;
-    return (static_cast<int64_t>(row) << channels_log2) | (index & ((int64_t(1) << channels_log2) - 1));
-  }
-};
-
-// The dense layout fixed at compile time: for kernels that run only with it (the MMA backward,
-// whose registers have no room for the lookup).
-struct DenseRows {
-  __device__ __forceinline__ int64_t operator()(int64_t index) const { return index; }
-};
-
-template <typename acc_t, typename Rows = TouchedRows>
+template <typename acc_t>
 struct AtomicSink {
-  acc_t* __restrict__ grad;  // [batch, num_keys, heads, channels], or the touched rows
-  Rows rows;
-
-  // This sink as a dense-only one.
-  AtomicSink<acc_t, DenseRows> dense() const {
-    TORCH_INTERNAL_ASSERT(rows.slot == nullptr, "a dense-only kernel got touched rows");
-    return {grad, {}};
-  }
+  acc_t* __restrict__ grad;  // [batch, num_keys, heads, channels]
 
   __device__ __forceinline__ void prepare() {}
 
-  // Value element `index` (an untouched cell's add is dropped).
   template <int N>
   __device__ __forceinline__ void add(int64_t index, const acc_t (&v)[N]) const {
-    const int64_t at = rows(index);
-    if (at >= 0) add_at(at, v);
-  }
-  // Accumulator element `at`, from rows(index).
-  template <int N>
-  __device__ __forceinline__ void add_at(int64_t at, const acc_t (&v)[N]) const {
-    atomic_add_vec(grad + at, v);
+    atomic_add_vec(grad + index, v);
   }
 };
 
@@ -133,55 +97,44 @@ __device__ __forceinline__ double fixed_point_scale(const FixedPointBounds* boun
   return bound > 0.0 ? 4611686018427387904.0 / bound : 1.0;  // 2^62 / bound
 }
 
-template <typename acc_t, typename Rows = TouchedRows>
+template <typename acc_t>
 struct FixedPointSink {
-  unsigned long long* __restrict__ grad;  // int64 two's complement, [batch, num_keys, heads, channels] or rows
+  unsigned long long* __restrict__ grad;  // int64 two's complement, [batch, num_keys, heads, channels]
   uint32_t* __restrict__ nonfinite;       // 8 flag bits per element, four elements per word
   const FixedPointBounds* __restrict__ bounds;
   int64_t contributions_per_element;
-  Rows rows;
   double scale;
-
-  FixedPointSink<acc_t, DenseRows> dense() const {
-    TORCH_INTERNAL_ASSERT(rows.slot == nullptr, "a dense-only kernel got touched rows");
-    return {grad, nonfinite, bounds, contributions_per_element, {}, scale};
-  }
 
   __device__ __forceinline__ void prepare() { scale = fixed_point_scale(bounds, contributions_per_element); }
 
   template <int N>
   __device__ __forceinline__ void add(int64_t index, const acc_t (&v)[N]) const {
-    const int64_t at = rows(index);
-    if (at >= 0) add_at(at, v);
-  }
-  template <int N>
-  __device__ __forceinline__ void add_at(int64_t at, const acc_t (&v)[N]) const {
 #pragma unroll
     for (int i = 0; i < N; ++i) {
       const double x = static_cast<double>(v[i]);
       const double q = x * scale;
       if (fabs(q) < 9.0e18) {  // false for NaN, +-Inf, and fp64 values beyond the float range of the bounds
-        atomicAdd(grad + at + i, static_cast<unsigned long long>(__double2ll_rn(q)));
+        atomicAdd(grad + index + i, static_cast<unsigned long long>(__double2ll_rn(q)));
       } else {
         const uint32_t flag = isnan(x) ? kNaN : (x > 0 ? kPosInf : kNegInf);
-        const int64_t e = at + i;
+        const int64_t e = index + i;
         atomicOr(nonfinite + (e >> 2), flag << (8 * (e & 3)));
       }
     }
   }
 };
 
-// How the value gradient's accumulator is laid out (see the top of this file).
-enum class GradValueLayout { kDense, kTouchedRows };
+// How much of the value gradient's accumulator is initialised (see the top of this file).
+enum class GradValueLayout { kDense, kTouchedCells };
 
 // The layout for this problem. MMDEFORM_TMA_GRAD_VALUE_LAYOUT=dense|touched forces one (for
 // measurements; forcing `touched` where it cannot run raises with the reason); unset or `auto`
-// picks touched rows for half-precision values and for the deterministic backward when a
+// picks touched cells for half-precision values and for the deterministic backward when a
 // (batch, head)'s corners are at most its keys: 4 x queries x levels x points <= num_keys.
 GradValueLayout grad_value_layout(const ProblemTensors& problem, bool deterministic);
 
-// Host side of the value gradient: allocation, the claim pass of the touched rows, the
-// fixed-point bounds pass and the final pass into value's dtype.
+// Host side of the value gradient: allocation, the claim pass of touched cells, the fixed-point
+// bounds pass and the final pass into value's dtype.
 class ValueGradient {
  public:
   // `deterministic` picks the fixed-point sink; otherwise fp32 atomics, straight into the result
@@ -191,7 +144,7 @@ class ValueGradient {
 
   template <typename scalar_t>
   AtomicSink<acc_type<scalar_t>> atomic_sink() const {
-    return AtomicSink<acc_type<scalar_t>>{buffer_.data_ptr<acc_type<scalar_t>>(), rows()};
+    return AtomicSink<acc_type<scalar_t>>{buffer_.data_ptr<acc_type<scalar_t>>()};
   }
   template <typename scalar_t>
   FixedPointSink<acc_type<scalar_t>> fixed_point_sink() const {
@@ -200,26 +153,21 @@ class ValueGradient {
         reinterpret_cast<uint32_t*>(flags_.data_ptr<int32_t>()),
         reinterpret_cast<const FixedPointBounds*>(bounds_.data_ptr<int32_t>()),
         contributions_per_element_,
-        rows(),
         0.0};
   }
   bool deterministic() const { return deterministic_; }
-  bool dense() const { return !slot_.defined(); }
 
   // The gradient in value's dtype.
   at::Tensor finish();
 
  private:
-  TouchedRows rows() const {
-    return TouchedRows{slot_.defined() ? slot_.data_ptr<int32_t>() : nullptr, channels_log2_};
-  }
-  void claim_touched_rows(const ProblemTensors& problem);
+  void claim_touched_cells(const ProblemTensors& problem);
 
   at::Tensor value_;
-  at::Tensor buffer_;  // fp32/fp64 accumulator, or int64 fixed point; dense or touched rows
-  at::Tensor flags_;   // non-finite flags (fixed point only)
-  at::Tensor bounds_;  // FixedPointBounds (fixed point only)
-  at::Tensor slot_;    // touched rows only: [cells + 1], each cell's row (-1: none), then the row count - 1
+  at::Tensor buffer_;   // fp32/fp64 accumulator, or int64 fixed point
+  at::Tensor flags_;    // non-finite flags (fixed point only)
+  at::Tensor bounds_;   // FixedPointBounds (fixed point only)
+  at::Tensor touched_;  // touched cells only: one int per (batch, key, head) cell, nonzero when touched
   int64_t contributions_per_element_ = 0;
   int channels_log2_ = 0;
   bool deterministic_;
@@ -229,7 +177,7 @@ class ValueGradient {
 // with nothing to sample, the dtype dispatch, and the value-gradient sink `deterministic` asks for.
 // `launch(sink, grad_output, grad_locations, grad_weights)` gets typed pointers (the value type is
 // grad_output's pointee, see ScalarOf) and launches the backend's kernel; `layout` is
-// grad_value_layout's answer, which a backend may need first to choose its kernel.
+// grad_value_layout's answer.
 template <typename Pointer>
 using ScalarOf = std::remove_const_t<std::remove_pointer_t<Pointer>>;
 

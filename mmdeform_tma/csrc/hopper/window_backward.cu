@@ -276,23 +276,22 @@ __device__ __forceinline__ PointCorners<16> load_split_point(const WindowPoint<f
 
 // Reduces one 16 x 8 accumulator tile (window cells x channels) into the sink: lane pairs swap
 // halves so that each lane holds four consecutive channels of one cell (even lanes row g, odd
-// lanes row g + 8). `at` is the sink's accumulator element for the lane's channel 0 of the tile
-// (negative: a cell without an accumulator row); cells that no point touched sum to exactly zero
-// and are skipped.
+// lanes row g + 8). `index` is the lane's element for channel 0 of the tile; cells that no point
+// touched sum to exactly zero and are skipped.
 template <bool kScaled, typename Sink>
-__device__ __forceinline__ void reduce_mma_tile(const Sink& sink, const float (&d)[4], int64_t at, float inverse_scale) {
+__device__ __forceinline__ void reduce_mma_tile(const Sink& sink, const float (&d)[4], int64_t index, float inverse_scale) {
   const bool odd = threadIdx.x & 1;
   const float give0 = odd ? d[0] : d[2], give1 = odd ? d[1] : d[3];
   const float got0 = __shfl_xor_sync(0xffffffffu, give0, 1), got1 = __shfl_xor_sync(0xffffffffu, give1, 1);
   float v[4] = {odd ? got0 : d[0], odd ? got1 : d[1], odd ? d[2] : got0, odd ? d[3] : got1};
   // +-0 in all four (the bits past the sign), as every channel of an untouched cell is
   const uint32_t bits = __float_as_uint(v[0]) | __float_as_uint(v[1]) | __float_as_uint(v[2]) | __float_as_uint(v[3]);
-  if ((bits << 1) == 0u || at < 0) return;
+  if ((bits << 1) == 0u) return;
   if constexpr (kScaled) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) v[i] *= inverse_scale;
   }
-  sink.add_at(at, v);
+  sink.add(index, v);
 }
 
 // One warp's share of a stage's MMA: window rows of 16 cells (m-tiles) in turn, all slots (k),
@@ -313,8 +312,7 @@ __device__ __forceinline__ void reduce_window_mma(uint32_t smem_base, const Laun
     const int m0 = tile * 16;
     const int cell = m0 + (lane >> 2) + ((lane & 1) ? 8 : 0);  // the cell this lane reduces
     const int64_t key = static_cast<int64_t>(w.key0) + (cell >> s.window_cols_log2) * w.width + (cell & (s.window_cols - 1));
-    // Translated once per tile: every channel of the lane's cell shares its accumulator row.
-    const int64_t at = sink.rows(key * key_stride + head_column + 4 * ((lane & 3) >> 1));
+    const int64_t index = key * key_stride + head_column + 4 * ((lane & 3) >> 1);
     // kGroups x 16 channels at a time: each A block (hi, lo) is loaded once for kGroups 16-channel
     // groups of G (ncu, H100, 2026-11-24: ldmatrix was 15 % of the L1's wavefronts with one group
     // per load). Two groups need 8 more accumulator registers than the 96 of 4 CTAs per SM allow.
@@ -343,8 +341,8 @@ __device__ __forceinline__ void reduce_window_mma(uint32_t smem_base, const Laun
 #pragma unroll
       for (int q = 0; q < kGroups; ++q) {
         if (q >= groups) break;
-        reduce_mma_tile<kScaled>(sink, d[2 * q], at < 0 ? at : at + c0 + 16 * q, inverse_scale);
-        reduce_mma_tile<kScaled>(sink, d[2 * q + 1], at < 0 ? at : at + c0 + 16 * q + 8, inverse_scale);
+        reduce_mma_tile<kScaled>(sink, d[2 * q], index + c0 + 16 * q, inverse_scale);
+        reduce_mma_tile<kScaled>(sink, d[2 * q + 1], index + c0 + 16 * q + 8, inverse_scale);
       }
     }
     __syncwarp();  // every lane's ldmatrix reads of the block are done
@@ -523,11 +521,8 @@ __global__ void __launch_bounds__(kMaxThreads, kCtasPerSm)
               lo[k] = contribution[k];
               hi[k] = contribution[kHalf + k];
             }
-            const int64_t at = sink.rows(key * key_stride + head_column);  // one row for both halves
-            if (at >= 0) {
-              sink.add_at(at + split.lo, lo);
-              sink.add_at(at + split.hi, hi);
-            }
+            sink.add(key * key_stride + head_column + split.lo, lo);
+            sink.add(key * key_stride + head_column + split.hi, hi);
           } else {
             sink.add(key * key_stride + head_offset, contribution);
           }
@@ -612,17 +607,14 @@ Gradients backward(const ProblemTensors& problem, const at::Tensor& grad_output,
   const int meta_size = static_cast<int>(element == 8 ? sizeof(WindowPoint<double>) : sizeof(WindowPoint<float>));
   const int entry_size = gather_built(element, chunk_bytes) ? static_cast<int>(sizeof(GatherEntry<float>)) : 0;
   LaunchShape s{};
-  // The MMA backward reduces whole windows into a dense buffer; with touched rows the plain
-  // kernels run (decoders, where touched rows are chosen, never take the MMA).
-  const GradValueLayout layout = grad_value_layout(problem, deterministic);
-  if (layout == GradValueLayout::kDense && (config < 0 || is_mma_config(config)) && mma_built(element, problem.channels)) {
+  if ((config < 0 || is_mma_config(config)) && mma_built(element, problem.channels)) {
     s = launch_shape(problem, config, kMmaChunkBytes, meta_size, kMaxBackwardSlotsPerTeam, true, 0, true);
   }
   if (!s.mma) {  // any other config or problem; an MMA config whose tile the MMA cannot take runs without a window
     s = launch_shape(problem, config, chunk_bytes, meta_size, kMaxBackwardSlotsPerTeam, true, entry_size);
   }
   return run_backward(
-      problem, grad_output, deterministic, layout, "mmdeform_tma tma_ws backward",
+      problem, grad_output, deterministic, grad_value_layout(problem, deterministic), "mmdeform_tma tma_ws backward",
       [&](auto sink, const auto* go, auto* grad_locations, auto* grad_weights) {
         using scalar_t = ScalarOf<decltype(go)>;
         // Named here: inside the nested `if constexpr`, gcc (the host pass) reads decltype(sink) as a
@@ -630,17 +622,16 @@ Gradients backward(const ProblemTensors& problem, const at::Tensor& grad_output,
         // then fails with "invalid resource handle").
         using Sink = std::decay_t<decltype(sink)>;
         if constexpr (sizeof(scalar_t) == 2) {
-          using DenseSink = decltype(sink.dense());
           if constexpr (std::is_same_v<Sink, AtomicSink<float>>) {  // the fixed-point one spills at 96 registers
             if (s.mma && s.ctas_per_sm == 4) {
-              launch_persistent<scalar_t>(backward_kernel<scalar_t, kMmaChunkBytes, DenseSink, Aggregation::kMma, 4>,
-                                          problem, s, go, sink.dense(), grad_locations, grad_weights);
+              launch_persistent<scalar_t>(backward_kernel<scalar_t, kMmaChunkBytes, Sink, Aggregation::kMma, 4>, problem,
+                                          s, go, sink, grad_locations, grad_weights);
               return;
             }
           }
           if (s.mma) {
-            launch_persistent<scalar_t>(backward_kernel<scalar_t, kMmaChunkBytes, DenseSink, Aggregation::kMma>, problem,
-                                        s, go, sink.dense(), grad_locations, grad_weights);
+            launch_persistent<scalar_t>(backward_kernel<scalar_t, kMmaChunkBytes, Sink, Aggregation::kMma>, problem, s,
+                                        go, sink, grad_locations, grad_weights);
             return;
           }
         }
