@@ -74,35 +74,35 @@ __global__ void __launch_bounds__(kThreads) fixed_point_finalize_kernel(
   }
 }
 
-// One thread per sampling point (item, level, point): marks the cells of its valid corners and
-// zeroes the accumulator row (and the fixed-point flags) of each cell it marks first. The corners
+// One thread per corner of each sampling point (item, level, point): marks the corner's cell and
+// zeroes the accumulator row (and the fixed-point flags) of a cell it marks first. The corners
 // come from the same `bilinear` as every backward kernel's, so the marked cells are exactly the
-// cells the kernels add to.
+// cells the kernels add to. A thread per corner, not per point: each waits on one atomic, not
+// four in turn (a thread per point took 23 µs at DETR bs 2, perf_notes 27).
 template <typename coord_t>
 __global__ void __launch_bounds__(kThreads) claim_touched_cells_kernel(
     const coord_t* __restrict__ locations, const int64_t* __restrict__ shapes, const int64_t* __restrict__ starts,
-    int64_t num_points, int queries, int heads, int levels, int points, int64_t num_keys, uint32_t* __restrict__ touched,
-    uint4* __restrict__ rows, int row_words, uint32_t* __restrict__ flag_rows, int flag_words) {
+    int64_t num_corners, int queries, int heads, int levels, int points, int64_t num_keys, uint32_t* __restrict__ touched,
+    uint4* __restrict__ rows, int row_words, uint2* __restrict__ flag_rows, int flag_words) {
   if (!level_geometry_ok(shapes, starts, levels, num_keys)) return;  // the kernels add nothing either
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < num_points; i += stride) {
-    const int64_t item = i / (static_cast<int64_t>(levels) * points);
-    const int level = static_cast<int>((i / points) % levels);
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < num_corners; i += stride) {
+    const int64_t point = i >> 2;
+    const int corner = static_cast<int>(i & 3);
+    const int64_t item = point / (static_cast<int64_t>(levels) * points);
+    const int level = static_cast<int>((point / points) % levels);
+    const LevelGeometry g = level_geometry(shapes, starts, level);
+    const Bilinear<coord_t> bl = bilinear(locations[2 * point], locations[2 * point + 1], g.height, g.width);
+    if (!(bl.valid & (1u << corner))) continue;
     const int64_t batch = item / (static_cast<int64_t>(queries) * heads);
     const int head = static_cast<int>(item % heads);
-    const LevelGeometry g = level_geometry(shapes, starts, level);
-    const Bilinear<coord_t> bl = bilinear(locations[2 * i], locations[2 * i + 1], g.height, g.width);
-#pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      if (!(bl.valid & (1u << c))) continue;
-      const int64_t key = batch * num_keys + g.start + static_cast<int64_t>(bl.y0 + (c >> 1)) * g.width + bl.x0 + (c & 1);
-      const int64_t cell = key * heads + head;
-      const uint32_t bit = 1u << (cell & 31);
-      uint32_t* word = touched + (cell >> 5);
-      if ((*word & bit) || (atomicOr(word, bit) & bit)) continue;  // marked already
-      for (int w = 0; w < row_words; ++w) rows[cell * row_words + w] = make_uint4(0u, 0u, 0u, 0u);
-      for (int w = 0; w < flag_words; ++w) flag_rows[cell * flag_words + w] = 0u;
-    }
+    const int64_t key =
+        batch * num_keys + g.start + static_cast<int64_t>(bl.y0 + (corner >> 1)) * g.width + bl.x0 + (corner & 1);
+    const int64_t cell = key * heads + head;
+    const uint32_t bit = 1u << (cell & 31);
+    if (atomicOr(touched + (cell >> 5), bit) & bit) continue;  // marked already
+    for (int w = 0; w < row_words; ++w) rows[cell * row_words + w] = make_uint4(0u, 0u, 0u, 0u);
+    for (int w = 0; w < flag_words; ++w) flag_rows[cell * flag_words + w] = make_uint2(0u, 0u);
   }
 }
 
@@ -169,7 +169,7 @@ ValueGradient::ValueGradient(const ProblemTensors& problem, const at::Tensor& gr
   // Touched cells' rows are zeroed by the claim pass; the rest is never read.
   const auto allocate = [&](at::IntArrayRef sizes, at::ScalarType type) {
     const auto options = problem.value.options().dtype(type);
-    return touched ? at::empty(sizes, options) : at::zeros(sizes, options);
+    return touched ? uninitialized(sizes, options) : at::zeros(sizes, options);
   };
   const int64_t numel = problem.value.numel();
   if (!deterministic) {
@@ -197,20 +197,20 @@ ValueGradient::ValueGradient(const ProblemTensors& problem, const at::Tensor& gr
 
 void ValueGradient::claim_touched_cells(const ProblemTensors& problem) {
   const int64_t cells = problem.batch * problem.num_keys * problem.heads;
-  touched_ = at::empty({(cells + 31) / 32}, problem.value.options().dtype(at::kInt));
+  touched_ = uninitialized({(cells + 31) / 32}, problem.value.options().dtype(at::kInt));
   C10_CUDA_CHECK(cudaMemsetAsync(touched_.data_ptr(), 0, touched_.nbytes(), current_stream()));
-  const int64_t num_points = problem.num_items() * problem.levels * problem.points;
-  if (num_points == 0) return;
+  const int64_t num_corners = 4 * problem.num_items() * problem.levels * problem.points;
+  if (num_corners == 0) return;
   // channels is a multiple of 8: a cell's row is whole 16-byte words, its flags (a byte per
-  // element) whole 4-byte words.
+  // element) whole 8-byte words.
   const int row_words = static_cast<int>(problem.channels * buffer_.element_size() / 16);
-  const int flag_words = deterministic_ ? static_cast<int>(problem.channels / 4) : 0;
-  claim_touched_cells_kernel<float><<<grid_for(num_points), kThreads, 0, current_stream()>>>(
+  const int flag_words = deterministic_ ? static_cast<int>(problem.channels / 8) : 0;
+  claim_touched_cells_kernel<float><<<grid_for(num_corners), kThreads, 0, current_stream()>>>(
       problem.sampling_locations.data_ptr<float>(), problem.spatial_shapes.data_ptr<int64_t>(),
-      problem.level_start_index.data_ptr<int64_t>(), num_points, static_cast<int>(problem.queries),
+      problem.level_start_index.data_ptr<int64_t>(), num_corners, static_cast<int>(problem.queries),
       static_cast<int>(problem.heads), static_cast<int>(problem.levels), static_cast<int>(problem.points), problem.num_keys,
       reinterpret_cast<uint32_t*>(touched_.data_ptr<int32_t>()), reinterpret_cast<uint4*>(buffer_.data_ptr()), row_words,
-      deterministic_ ? reinterpret_cast<uint32_t*>(flags_.data_ptr<int32_t>()) : nullptr, flag_words);
+      deterministic_ ? reinterpret_cast<uint2*>(flags_.data_ptr<int32_t>()) : nullptr, flag_words);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -218,7 +218,7 @@ at::Tensor ValueGradient::finish() {
   if (!deterministic_ && !touched_.defined()) {
     return buffer_.scalar_type() == value_.scalar_type() ? buffer_ : buffer_.to(value_.scalar_type());
   }
-  at::Tensor out = at::empty_like(value_);
+  at::Tensor out = uninitialized(value_.sizes(), value_.options());
   const int64_t numel = out.numel();
   if (numel == 0) return out;
   const TouchedCells touched{touched_.defined() ? reinterpret_cast<const uint32_t*>(touched_.data_ptr<int32_t>()) : nullptr,

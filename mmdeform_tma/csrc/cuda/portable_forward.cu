@@ -12,7 +12,7 @@ namespace portable {
 static const KernelConfigRegistration kForwardConfigs("cuda", "forward", config_names());
 
 at::Tensor forward(const ProblemTensors& problem, int64_t config) {
-  at::Tensor output = at::empty({problem.batch, problem.queries, problem.heads * problem.channels}, problem.value.options());
+  at::Tensor output = uninitialized({problem.batch, problem.queries, problem.heads * problem.channels}, problem.value.options());
   if (problem.empty_output()) return output;
   const int element_size = static_cast<int>(problem.value.element_size());
   const TeamLayout layout = choose_team_layout(

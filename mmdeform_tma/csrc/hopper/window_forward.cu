@@ -356,7 +356,7 @@ bool lean_fits(const ProblemTensors& problem) {
 }  // namespace
 
 at::Tensor forward(const ProblemTensors& problem, int64_t config) {
-  at::Tensor output = at::empty({problem.batch, problem.queries, problem.heads * problem.channels}, problem.value.options());
+  at::Tensor output = uninitialized({problem.batch, problem.queries, problem.heads * problem.channels}, problem.value.options());
   if (problem.empty_output()) return output;
   if (problem.levels * problem.points == 0) return output.zero_();
   hopper::require_hopper("tma_ws");
