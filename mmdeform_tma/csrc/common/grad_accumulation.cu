@@ -74,35 +74,57 @@ __global__ void __launch_bounds__(kThreads) fixed_point_finalize_kernel(
   }
 }
 
-// One thread per corner of each sampling point (item, level, point): marks the corner's cell and
-// zeroes the accumulator row (and the fixed-point flags) of a cell it marks first. The corners
-// come from the same `bilinear` as every backward kernel's, so the marked cells are exactly the
-// cells the kernels add to. A thread per corner, not per point: each waits on one atomic, not
-// four in turn (a thread per point took 23 µs at DETR bs 2, perf_notes 27).
+// Touched cells in two passes. Marking: one thread per sampling point (item, level, point) sets
+// the bits of its valid corners' cells with reductions that nothing waits for. The corners come
+// from the same `bilinear` as every backward kernel's, so the marked cells are exactly the cells
+// the kernels add to. (A single pass in which each cell's first marker zeroed its row took
+// 23-35 µs at DETR bs 2: one thread waiting on each atomic's answer, then writing a row alone;
+// perf_notes 27-28.)
 template <typename coord_t>
-__global__ void __launch_bounds__(kThreads) claim_touched_cells_kernel(
+__global__ void __launch_bounds__(kThreads) mark_touched_cells_kernel(
     const coord_t* __restrict__ locations, const int64_t* __restrict__ shapes, const int64_t* __restrict__ starts,
-    int64_t num_corners, int queries, int heads, int levels, int points, int64_t num_keys, uint32_t* __restrict__ touched,
-    uint4* __restrict__ rows, int row_words, uint2* __restrict__ flag_rows, int flag_words) {
+    int64_t num_points, int queries, int heads, int levels, int points, int64_t num_keys, uint32_t* __restrict__ touched) {
   if (!level_geometry_ok(shapes, starts, levels, num_keys)) return;  // the kernels add nothing either
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < num_corners; i += stride) {
-    const int64_t point = i >> 2;
-    const int corner = static_cast<int>(i & 3);
-    const int64_t item = point / (static_cast<int64_t>(levels) * points);
-    const int level = static_cast<int>((point / points) % levels);
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < num_points; i += stride) {
+    const int64_t item = i / (static_cast<int64_t>(levels) * points);
+    const int level = static_cast<int>((i / points) % levels);
     const LevelGeometry g = level_geometry(shapes, starts, level);
-    const Bilinear<coord_t> bl = bilinear(locations[2 * point], locations[2 * point + 1], g.height, g.width);
-    if (!(bl.valid & (1u << corner))) continue;
+    const Bilinear<coord_t> bl = bilinear(locations[2 * i], locations[2 * i + 1], g.height, g.width);
+    if (!bl.valid) continue;
     const int64_t batch = item / (static_cast<int64_t>(queries) * heads);
     const int head = static_cast<int>(item % heads);
-    const int64_t key =
-        batch * num_keys + g.start + static_cast<int64_t>(bl.y0 + (corner >> 1)) * g.width + bl.x0 + (corner & 1);
-    const int64_t cell = key * heads + head;
-    const uint32_t bit = 1u << (cell & 31);
-    if (atomicOr(touched + (cell >> 5), bit) & bit) continue;  // marked already
-    for (int w = 0; w < row_words; ++w) rows[cell * row_words + w] = make_uint4(0u, 0u, 0u, 0u);
-    for (int w = 0; w < flag_words; ++w) flag_rows[cell * flag_words + w] = make_uint2(0u, 0u);
+    const int64_t top_left = batch * num_keys + g.start + static_cast<int64_t>(bl.y0) * g.width + bl.x0;
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      if (!(bl.valid & (1u << c))) continue;
+      const int64_t cell = (top_left + (c & 1) + ((c & 2) ? g.width : 0)) * heads + head;
+      atomicOr(touched + (cell >> 5), 1u << (cell & 31));
+    }
+  }
+}
+
+// The rows of the 32 cells of one bitmap word, zeroed by a warp where a bit is set: consecutive
+// lanes write consecutive `Chunk`s of the word's contiguous rows.
+template <typename Chunk>
+__device__ __forceinline__ void zero_marked_rows(Chunk* rows, int chunks_per_row, uint32_t bits, int lane) {
+  for (int k = lane; k < 32 * chunks_per_row; k += 32) {
+    if ((bits >> (k / chunks_per_row)) & 1u) rows[k] = Chunk{};
+  }
+}
+
+// Zeroing: a warp per bitmap word; the accumulator rows (16-byte chunks) and, for fixed point,
+// the flag bytes (8-byte chunks) of its marked cells.
+__global__ void __launch_bounds__(kThreads) zero_touched_rows_kernel(
+    const uint32_t* __restrict__ touched, int64_t words, uint4* __restrict__ rows, int row_chunks,
+    uint2* __restrict__ flag_rows, int flag_chunks) {
+  const int lane = threadIdx.x & 31;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
+  for (int64_t w = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / 32; w < words; w += warps) {
+    const uint32_t bits = __ldg(touched + w);
+    if (bits == 0u) continue;
+    zero_marked_rows(rows + w * 32 * row_chunks, row_chunks, bits, lane);
+    if (flag_rows != nullptr) zero_marked_rows(flag_rows + w * 32 * flag_chunks, flag_chunks, bits, lane);
   }
 }
 
@@ -166,7 +188,7 @@ ValueGradient::ValueGradient(const ProblemTensors& problem, const at::Tensor& gr
     : value_(problem.value), deterministic_(deterministic) {
   const auto acc_dtype = problem.value.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   const bool touched = layout == GradValueLayout::kTouchedCells;
-  // Touched cells' rows are zeroed by the claim pass; the rest is never read.
+  // Only the touched cells' rows are zeroed (mark_touched_cells); the rest is never read.
   const auto allocate = [&](at::IntArrayRef sizes, at::ScalarType type) {
     const auto options = problem.value.options().dtype(type);
     return touched ? uninitialized(sizes, options) : at::zeros(sizes, options);
@@ -180,7 +202,7 @@ ValueGradient::ValueGradient(const ProblemTensors& problem, const at::Tensor& gr
     bounds_ = at::zeros({2}, problem.value.options().dtype(at::kInt));
     contributions_per_element_ = problem.queries * problem.points;
   }
-  if (touched) claim_touched_cells(problem);
+  if (touched) mark_touched_cells(problem);
   if (!deterministic) return;
   const auto stream = current_stream();
   MMDEFORM_TMA_DISPATCH_VALUE_TYPES(problem.value.scalar_type(), "fixed-point bounds", [&] {
@@ -195,22 +217,27 @@ ValueGradient::ValueGradient(const ProblemTensors& problem, const at::Tensor& gr
   });
 }
 
-void ValueGradient::claim_touched_cells(const ProblemTensors& problem) {
+void ValueGradient::mark_touched_cells(const ProblemTensors& problem) {
   const int64_t cells = problem.batch * problem.num_keys * problem.heads;
   touched_ = uninitialized({(cells + 31) / 32}, problem.value.options().dtype(at::kInt));
   C10_CUDA_CHECK(cudaMemsetAsync(touched_.data_ptr(), 0, touched_.nbytes(), current_stream()));
-  const int64_t num_corners = 4 * problem.num_items() * problem.levels * problem.points;
-  if (num_corners == 0) return;
-  // channels is a multiple of 8: a cell's row is whole 16-byte words, its flags (a byte per
-  // element) whole 8-byte words.
-  const int row_words = static_cast<int>(problem.channels * buffer_.element_size() / 16);
-  const int flag_words = deterministic_ ? static_cast<int>(problem.channels / 8) : 0;
-  claim_touched_cells_kernel<float><<<grid_for(num_corners), kThreads, 0, current_stream()>>>(
+  const int64_t num_points = problem.num_items() * problem.levels * problem.points;
+  if (num_points == 0) return;
+  const auto stream = current_stream();
+  mark_touched_cells_kernel<float><<<grid_for(num_points), kThreads, 0, stream>>>(
       problem.sampling_locations.data_ptr<float>(), problem.spatial_shapes.data_ptr<int64_t>(),
-      problem.level_start_index.data_ptr<int64_t>(), num_corners, static_cast<int>(problem.queries),
+      problem.level_start_index.data_ptr<int64_t>(), num_points, static_cast<int>(problem.queries),
       static_cast<int>(problem.heads), static_cast<int>(problem.levels), static_cast<int>(problem.points), problem.num_keys,
-      reinterpret_cast<uint32_t*>(touched_.data_ptr<int32_t>()), reinterpret_cast<uint4*>(buffer_.data_ptr()), row_words,
-      deterministic_ ? reinterpret_cast<uint2*>(flags_.data_ptr<int32_t>()) : nullptr, flag_words);
+      reinterpret_cast<uint32_t*>(touched_.data_ptr<int32_t>()));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  // channels is a multiple of 8: a cell's row is whole 16-byte chunks, its flags (a byte per
+  // element) whole 8-byte chunks.
+  const int row_chunks = static_cast<int>(problem.channels * buffer_.element_size() / 16);
+  const int flag_chunks = static_cast<int>(problem.channels / 8);
+  zero_touched_rows_kernel<<<grid_for(32 * touched_.numel()), kThreads, 0, stream>>>(
+      reinterpret_cast<const uint32_t*>(touched_.data_ptr<int32_t>()), touched_.numel(),
+      reinterpret_cast<uint4*>(buffer_.data_ptr()), row_chunks,
+      deterministic_ ? reinterpret_cast<uint2*>(flags_.data_ptr<int32_t>()) : nullptr, flag_chunks);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

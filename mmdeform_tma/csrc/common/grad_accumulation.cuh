@@ -13,10 +13,10 @@
 //
 // Either buffer is zeroed whole (dense), or only in the rows of the (batch, key, head) cells that
 // a valid corner touches (touched cells): when the corners cover few of value's cells, as in
-// decoders, a claim pass marks and zeroes those rows and the final pass writes the whole gradient
-// in value's dtype, zero for every other cell. Kernels add to the same addresses either way. A
-// half-precision decoder then never zeroes, reads and converts the whole fp32 buffer, which was
-// half of its backward (perf_notes, session 14).
+// decoders, two passes mark those cells and zero their rows, and the final pass writes the whole
+// gradient in value's dtype, zero for every other cell. Kernels add to the same addresses either
+// way. A half-precision decoder then never zeroes, reads and converts the whole fp32 buffer,
+// which was half of its backward (perf_notes, session 14).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -133,7 +133,7 @@ enum class GradValueLayout { kDense, kTouchedCells };
 // (batch, head)'s corners are at most its keys: 4 x queries x levels x points <= num_keys.
 GradValueLayout grad_value_layout(const ProblemTensors& problem, bool deterministic);
 
-// Host side of the value gradient: allocation, the claim pass of touched cells, the fixed-point
+// Host side of the value gradient: allocation, the marking of touched cells, the fixed-point
 // bounds pass and the final pass into value's dtype.
 class ValueGradient {
  public:
@@ -161,7 +161,7 @@ class ValueGradient {
   at::Tensor finish();
 
  private:
-  void claim_touched_cells(const ProblemTensors& problem);
+  void mark_touched_cells(const ProblemTensors& problem);  // and zeroes their rows
 
   at::Tensor value_;
   at::Tensor buffer_;   // fp32/fp64 accumulator, or int64 fixed point
