@@ -15,15 +15,14 @@ constexpr int kThreads = 256;
 
 __device__ __forceinline__ float abs_if_finite(float x) { return isfinite(x) ? fabsf(x) : 0.0f; }
 
-// Touched cells, one bit per (batch, key, head) cell. `words` null: every cell counts as touched.
+// Touched cells, one byte per (batch, key, head) cell, nonzero when touched. `marks` null: every
+// cell counts as touched.
 struct TouchedCells {
-  const uint32_t* __restrict__ words;
+  const uint8_t* __restrict__ marks;
   int64_t channels;
 
   __device__ __forceinline__ bool has_element(int64_t element) const {
-    if (words == nullptr) return true;
-    const int64_t cell = element / channels;
-    return (__ldg(words + (cell >> 5)) >> (cell & 31)) & 1u;
+    return marks == nullptr || __ldg(marks + element / channels) != 0;
   }
 };
 
@@ -74,16 +73,16 @@ __global__ void __launch_bounds__(kThreads) fixed_point_finalize_kernel(
   }
 }
 
-// Touched cells in two passes. Marking: one thread per sampling point (item, level, point) sets
-// the bits of its valid corners' cells with reductions that nothing waits for. The corners come
-// from the same `bilinear` as every backward kernel's, so the marked cells are exactly the cells
-// the kernels add to. (A single pass in which each cell's first marker zeroed its row took
-// 23-35 µs at DETR bs 2: one thread waiting on each atomic's answer, then writing a row alone;
-// perf_notes 27-28.)
+// Touched cells in two passes. Marking: one thread per sampling point (item, level, point) stores
+// a 1 into the byte of each of its valid corners' cells. The corners come from the same
+// `bilinear` as every backward kernel's, so the marked cells are exactly the cells the kernels
+// add to. Plain stores, not atomics: every writer writes the same value, and atomics on a bitmap
+// serialised on the coarse levels' words, which hundreds of corners share (24 µs at DETR bs 2;
+// perf_notes 27-30).
 template <typename coord_t>
 __global__ void __launch_bounds__(kThreads) mark_touched_cells_kernel(
     const coord_t* __restrict__ locations, const int64_t* __restrict__ shapes, const int64_t* __restrict__ starts,
-    int64_t num_points, int queries, int heads, int levels, int points, int64_t num_keys, uint32_t* __restrict__ touched) {
+    int64_t num_points, int queries, int heads, int levels, int points, int64_t num_keys, uint8_t* __restrict__ touched) {
   if (!level_geometry_ok(shapes, starts, levels, num_keys)) return;  // the kernels add nothing either
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < num_points; i += stride) {
@@ -98,14 +97,13 @@ __global__ void __launch_bounds__(kThreads) mark_touched_cells_kernel(
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
       if (!(bl.valid & (1u << c))) continue;
-      const int64_t cell = (top_left + (c & 1) + ((c & 2) ? g.width : 0)) * heads + head;
-      atomicOr(touched + (cell >> 5), 1u << (cell & 31));
+      touched[(top_left + (c & 1) + ((c & 2) ? g.width : 0)) * heads + head] = 1;
     }
   }
 }
 
-// The rows of the 32 cells of one bitmap word, zeroed by a warp where a bit is set: consecutive
-// lanes write consecutive `Chunk`s of the word's contiguous rows.
+// The rows of 32 consecutive cells, zeroed by a warp where `bits` has the cell's bit: consecutive
+// lanes write consecutive `Chunk`s of the cells' contiguous rows.
 template <typename Chunk>
 __device__ __forceinline__ void zero_marked_rows(Chunk* rows, int chunks_per_row, uint32_t bits, int lane) {
   for (int k = lane; k < 32 * chunks_per_row; k += 32) {
@@ -113,15 +111,17 @@ __device__ __forceinline__ void zero_marked_rows(Chunk* rows, int chunks_per_row
   }
 }
 
-// Zeroing: a warp per bitmap word; the accumulator rows (16-byte chunks) and, for fixed point,
-// the flag bytes (8-byte chunks) of its marked cells.
+// Zeroing: a warp per 32 consecutive cells; the accumulator rows (16-byte chunks) and, for
+// fixed point, the flag bytes (8-byte chunks) of the marked ones.
 __global__ void __launch_bounds__(kThreads) zero_touched_rows_kernel(
-    const uint32_t* __restrict__ touched, int64_t words, uint4* __restrict__ rows, int row_chunks,
+    const uint8_t* __restrict__ touched, int64_t cells, uint4* __restrict__ rows, int row_chunks,
     uint2* __restrict__ flag_rows, int flag_chunks) {
   const int lane = threadIdx.x & 31;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
+  const int64_t words = (cells + 31) / 32;
   for (int64_t w = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / 32; w < words; w += warps) {
-    const uint32_t bits = __ldg(touched + w);
+    const int64_t cell = 32 * w + lane;
+    const uint32_t bits = __ballot_sync(0xffffffffu, cell < cells && __ldg(touched + cell) != 0);
     if (bits == 0u) continue;
     zero_marked_rows(rows + w * 32 * row_chunks, row_chunks, bits, lane);
     if (flag_rows != nullptr) zero_marked_rows(flag_rows + w * 32 * flag_chunks, flag_chunks, bits, lane);
@@ -219,7 +219,7 @@ ValueGradient::ValueGradient(const ProblemTensors& problem, const at::Tensor& gr
 
 void ValueGradient::mark_touched_cells(const ProblemTensors& problem) {
   const int64_t cells = problem.batch * problem.num_keys * problem.heads;
-  touched_ = uninitialized({(cells + 31) / 32}, problem.value.options().dtype(at::kInt));
+  touched_ = uninitialized({cells}, problem.value.options().dtype(at::kByte));
   C10_CUDA_CHECK(cudaMemsetAsync(touched_.data_ptr(), 0, touched_.nbytes(), current_stream()));
   const int64_t num_points = problem.num_items() * problem.levels * problem.points;
   if (num_points == 0) return;
@@ -228,14 +228,14 @@ void ValueGradient::mark_touched_cells(const ProblemTensors& problem) {
       problem.sampling_locations.data_ptr<float>(), problem.spatial_shapes.data_ptr<int64_t>(),
       problem.level_start_index.data_ptr<int64_t>(), num_points, static_cast<int>(problem.queries),
       static_cast<int>(problem.heads), static_cast<int>(problem.levels), static_cast<int>(problem.points), problem.num_keys,
-      reinterpret_cast<uint32_t*>(touched_.data_ptr<int32_t>()));
+      touched_.data_ptr<uint8_t>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   // channels is a multiple of 8: a cell's row is whole 16-byte chunks, its flags (a byte per
   // element) whole 8-byte chunks.
   const int row_chunks = static_cast<int>(problem.channels * buffer_.element_size() / 16);
   const int flag_chunks = static_cast<int>(problem.channels / 8);
-  zero_touched_rows_kernel<<<grid_for(32 * touched_.numel()), kThreads, 0, stream>>>(
-      reinterpret_cast<const uint32_t*>(touched_.data_ptr<int32_t>()), touched_.numel(),
+  zero_touched_rows_kernel<<<grid_for(cells), kThreads, 0, stream>>>(
+      touched_.data_ptr<uint8_t>(), cells,
       reinterpret_cast<uint4*>(buffer_.data_ptr()), row_chunks,
       deterministic_ ? reinterpret_cast<uint2*>(flags_.data_ptr<int32_t>()) : nullptr, flag_chunks);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -248,8 +248,7 @@ at::Tensor ValueGradient::finish() {
   at::Tensor out = uninitialized(value_.sizes(), value_.options());
   const int64_t numel = out.numel();
   if (numel == 0) return out;
-  const TouchedCells touched{touched_.defined() ? reinterpret_cast<const uint32_t*>(touched_.data_ptr<int32_t>()) : nullptr,
-                             value_.size(-1)};
+  const TouchedCells touched{touched_.defined() ? touched_.data_ptr<uint8_t>() : nullptr, value_.size(-1)};
   const auto stream = current_stream();
   MMDEFORM_TMA_DISPATCH_VALUE_TYPES(value_.scalar_type(), "value gradient", [&] {
     if (deterministic_) {

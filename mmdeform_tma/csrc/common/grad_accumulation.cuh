@@ -167,7 +167,7 @@ class ValueGradient {
   at::Tensor buffer_;   // fp32/fp64 accumulator, or int64 fixed point
   at::Tensor flags_;    // non-finite flags (fixed point only)
   at::Tensor bounds_;   // FixedPointBounds (fixed point only)
-  at::Tensor touched_;  // touched cells only: one int per (batch, key, head) cell, nonzero when touched
+  at::Tensor touched_;  // touched cells only: a byte per (batch, key, head) cell, nonzero when touched
   int64_t contributions_per_element_ = 0;
   int channels_log2_ = 0;
   bool deterministic_;
