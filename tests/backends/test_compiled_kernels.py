@@ -409,8 +409,11 @@ def test_tma_ws_window_forward_non_finite_values():
 
 
 # Cases for the value gradient's layouts: a decoder (32 channels), 8-, 64- and 128-channel rows,
-# and an encoder, where every cell is touched.
-LAYOUT_CASES = [CASES[0], CASES[11], CASES[3], CASES[4], CASES[9]]
+# and an encoder, where every cell is touched; these mark their levels whole. SPARSE_DECODER's two
+# fine levels have more keys than a (batch, head) has corners there (160), so they are marked
+# cell by cell where corners land; its two coarse levels are marked whole.
+SPARSE_DECODER = ("sparse_decoder", [(64, 96), (32, 48), (8, 12), (4, 6)], 2, 20, 4, 32, 2, "local")
+LAYOUT_CASES = [SPARSE_DECODER, CASES[0], CASES[11], CASES[3], CASES[4], CASES[9]]
 
 
 def backward_with_layout(monkeypatch, layout, problem, grad_output, backend, deterministic):
@@ -445,15 +448,15 @@ def test_value_gradient_layouts_against_float64(monkeypatch, backend, dtype, cas
 def test_touched_cells_carry_non_finite_gradients(monkeypatch, backend, deterministic):
     """A NaN or Inf in grad_output reaches exactly the value cells the reference's does when only
     the touched cells' rows are zeroed; every other cell is exactly zero."""
-    problem = cuda_problem(CASES[0], torch.float16, seed=41)
+    problem = cuda_problem(SPARSE_DECODER, torch.float16, seed=41)
     skip_unless_supported(backend, validate(*problem.args()))
     value, shapes, starts, loc, attn = problem.args()
     exact_inputs = [t.detach().double().requires_grad_() for t in (value, loc, attn)]
     exact = gather_reference(exact_inputs[0], shapes, starts, exact_inputs[1], exact_inputs[2])
     grad_output = torch.randn(exact.shape, device="cuda", dtype=torch.float16)
     grad_output[0, 7] = float("nan")
-    grad_output[1, 40, 40] = float("inf")
-    grad_output[1, 41, 100] = -float("inf")
+    grad_output[1, 10, 40] = float("inf")
+    grad_output[1, 11, 100] = -float("inf")
     (want,) = torch.autograd.grad(exact, exact_inputs[0], grad_output.double())
     got = backward_with_layout(monkeypatch, "touched", problem, grad_output, backend, deterministic)[0]
     assert torch.equal(torch.isnan(got), torch.isnan(want))

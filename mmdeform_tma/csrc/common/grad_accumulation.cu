@@ -73,17 +73,22 @@ __global__ void __launch_bounds__(kThreads) fixed_point_finalize_kernel(
   }
 }
 
-// Touched cells in two passes. Marking: one thread per sampling point (item, level, point) stores
-// a 1 into the byte of each of its valid corners' cells. The corners come from the same
+// Touched cells in two passes. A level is marked whole when a (batch, head) has at least as many
+// corners there as the level has keys (4 x queries x points >= height x width: the DETR
+// decoder's three coarse levels); otherwise cell by cell, where corners land.
+__device__ __forceinline__ bool marked_whole(const LevelGeometry& g, uint32_t queries, uint32_t points) {
+  return 4 * static_cast<int64_t>(queries) * points >= static_cast<int64_t>(g.height) * g.width;
+}
+
+// Marking: one thread per sampling point (item, level, point) of a level marked cell by cell
+// stores a 1 into the byte of each of its valid corners' cells. The corners come from the same
 // `bilinear` as every backward kernel's, so the marked cells are exactly the cells the kernels
-// add to. Plain stores, not atomics: every writer writes the same value, and atomics on a bitmap
-// serialised on the coarse levels' words, which hundreds of corners share (24 µs at DETR bs 2;
-// perf_notes 27-30).
-//
-// Short per thread (ncu, H100, 0a633ba: 18.6 µs for 76,800 points, latency-bound at 0.38 waves):
-// 32-bit index arithmetic (the host keeps num_points < 2^31), and no level-geometry check, only
-// a bound on the cell. With inconsistent geometry the kernels add nothing and every marked row
-// stays zero, so the gradient is zero as in the dense layout.
+// add to. Bytes with plain stores: every writer writes the same value. Hundreds of corners share
+// each line of a coarse level's bytes, and the L2 took their writes (as it took atomics on a
+// bitmap) one at a time: 16-24 µs at DETR bs 2 (perf_notes 27-32), hence whole coarse levels.
+// 32-bit index arithmetic (the host keeps num_points < 2^31), and no level-geometry check, only a
+// bound on the cell: with inconsistent geometry the kernels add nothing, every marked row stays
+// zero, and the gradient is zero as in the dense layout.
 template <typename coord_t>
 __global__ void __launch_bounds__(kThreads) mark_touched_cells_kernel(
     const coord_t* __restrict__ locations, const int64_t* __restrict__ shapes, const int64_t* __restrict__ starts,
@@ -94,6 +99,7 @@ __global__ void __launch_bounds__(kThreads) mark_touched_cells_kernel(
     const uint32_t item = i / (levels * points);
     const int level = static_cast<int>((i / points) % levels);
     const LevelGeometry g = level_geometry(shapes, starts, level);
+    if (marked_whole(g, queries, points)) continue;
     const Bilinear<coord_t> bl = bilinear(locations[2 * static_cast<int64_t>(i)], locations[2 * static_cast<int64_t>(i) + 1],
                                           g.height, g.width);
     if (!bl.valid) continue;
@@ -118,17 +124,32 @@ __device__ __forceinline__ void zero_marked_rows(Chunk* rows, int chunks_per_row
   }
 }
 
-// Zeroing: a warp per 32 consecutive cells; the accumulator rows (16-byte chunks) and, for
-// fixed point, the flag bytes (8-byte chunks) of the marked ones.
+// Zeroing: a warp per 32 consecutive cells. A cell of a level marked whole gets its byte here (for
+// the final pass); then the accumulator rows (16-byte chunks) and, for fixed point, the flag
+// bytes (8-byte chunks) of the marked cells are zeroed.
 __global__ void __launch_bounds__(kThreads) zero_touched_rows_kernel(
-    const uint8_t* __restrict__ touched, int64_t cells, uint4* __restrict__ rows, int row_chunks,
-    uint2* __restrict__ flag_rows, int flag_chunks) {
+    const int64_t* __restrict__ shapes, const int64_t* __restrict__ starts, uint32_t queries, uint32_t heads,
+    uint32_t levels, uint32_t points, int64_t num_keys, uint8_t* __restrict__ touched, int64_t cells,
+    uint4* __restrict__ rows, int row_chunks, uint2* __restrict__ flag_rows, int flag_chunks) {
   const int lane = threadIdx.x & 31;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
   const int64_t words = (cells + 31) / 32;
   for (int64_t w = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / 32; w < words; w += warps) {
     const int64_t cell = 32 * w + lane;
-    const uint32_t bits = __ballot_sync(0xffffffffu, cell < cells && __ldg(touched + cell) != 0);
+    bool marked = false;
+    if (cell < cells) {
+      marked = touched[cell] != 0;
+      if (!marked) {
+        const int64_t key = (cell / heads) % num_keys;
+        int level = 0;  // the last level starting at or before the key
+        for (uint32_t l = 1; l < levels; ++l) level = __ldg(starts + l) <= key ? static_cast<int>(l) : level;
+        if (marked_whole(level_geometry(shapes, starts, level), queries, points)) {
+          marked = true;
+          touched[cell] = 1;
+        }
+      }
+    }
+    const uint32_t bits = __ballot_sync(0xffffffffu, marked);
     if (bits == 0u) continue;
     zero_marked_rows(rows + w * 32 * row_chunks, row_chunks, bits, lane);
     if (flag_rows != nullptr) zero_marked_rows(flag_rows + w * 32 * flag_chunks, flag_chunks, bits, lane);
@@ -243,7 +264,9 @@ void ValueGradient::mark_touched_cells(const ProblemTensors& problem) {
   const int row_chunks = static_cast<int>(problem.channels * buffer_.element_size() / 16);
   const int flag_chunks = static_cast<int>(problem.channels / 8);
   zero_touched_rows_kernel<<<grid_for(cells), kThreads, 0, stream>>>(
-      touched_.data_ptr<uint8_t>(), cells,
+      problem.spatial_shapes.data_ptr<int64_t>(), problem.level_start_index.data_ptr<int64_t>(),
+      static_cast<uint32_t>(problem.queries), static_cast<uint32_t>(problem.heads), static_cast<uint32_t>(problem.levels),
+      static_cast<uint32_t>(problem.points), problem.num_keys, touched_.data_ptr<uint8_t>(), cells,
       reinterpret_cast<uint4*>(buffer_.data_ptr()), row_chunks,
       deterministic_ ? reinterpret_cast<uint2*>(flags_.data_ptr<int32_t>()) : nullptr, flag_chunks);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
