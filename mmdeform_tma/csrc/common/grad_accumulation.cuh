@@ -129,8 +129,9 @@ enum class GradValueLayout { kDense, kTouchedCells };
 
 // The layout for this problem. MMDEFORM_TMA_GRAD_VALUE_LAYOUT=dense|touched forces one (for
 // measurements; forcing `touched` where it cannot run raises with the reason); unset or `auto`
-// picks touched cells for half-precision values and for the deterministic backward when a
-// (batch, head)'s corners are at most its keys: 4 x queries x levels x points <= num_keys.
+// picks touched cells for half-precision values when a (batch, head)'s corners are at most its
+// keys (4 x queries x levels x points <= num_keys), and for the deterministic backward when they
+// are at most four times its keys.
 GradValueLayout grad_value_layout(const ProblemTensors& problem, bool deterministic);
 
 // Host side of the value gradient: allocation, the marking of touched cells, the fixed-point
