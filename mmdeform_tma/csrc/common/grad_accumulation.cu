@@ -49,47 +49,27 @@ __global__ void __launch_bounds__(kThreads) fixed_point_bounds_kernel(
   }
 }
 
-// The final passes keep kInFlight independent steps of a thread in flight (its marks, then its
-// loads, then its stores): one step at a time was a chain of dependent loads per element
-// (ncu, H100: the fp16 pass at 43 % of DRAM, 52 cycles between a warp's instructions).
-constexpr int kInFlight = 4;
-
 template <typename scalar_t>
 __global__ void __launch_bounds__(kThreads) fixed_point_finalize_kernel(
     const long long* __restrict__ fixed, const uint32_t* __restrict__ flags, const FixedPointBounds* __restrict__ bounds,
     int64_t contributions_per_element, TouchedCells touched, int64_t numel, scalar_t* __restrict__ out) {
   const double inv_scale = 1.0 / fixed_point_scale(bounds, contributions_per_element);
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t first = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; first < numel;
-       first += kInFlight * stride) {
-    bool marked[kInFlight];
-#pragma unroll
-    for (int u = 0; u < kInFlight; ++u) {
-      const int64_t i = first + u * stride;
-      marked[u] = i < numel && touched.has_element(i);  // unmarked: never zeroed, nothing was added there
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < numel; i += stride) {
+    if (!touched.has_element(i)) {  // never zeroed: nothing was added there
+      out[i] = static_cast<scalar_t>(0.0f);
+      continue;
     }
-    uint32_t flag[kInFlight];
-    long long value[kInFlight];
-#pragma unroll
-    for (int u = 0; u < kInFlight; ++u) {
-      const int64_t i = first + u * stride;
-      flag[u] = marked[u] ? (flags[i >> 2] >> (8 * (i & 3))) & 0xffu : 0u;
-      value[u] = marked[u] ? fixed[i] : 0;
+    const uint32_t flag = (flags[i >> 2] >> (8 * (i & 3))) & 0xffu;
+    double x;
+    if (flag == 0) {
+      x = static_cast<double>(fixed[i]) * inv_scale;
+    } else if ((flag & kNaN) || ((flag & kPosInf) && (flag & kNegInf))) {
+      x = quiet_nan<double>();
+    } else {
+      x = (flag & kPosInf) ? INFINITY : -INFINITY;
     }
-#pragma unroll
-    for (int u = 0; u < kInFlight; ++u) {
-      const int64_t i = first + u * stride;
-      if (i >= numel) break;
-      double x;
-      if (flag[u] == 0) {
-        x = static_cast<double>(value[u]) * inv_scale;
-      } else if ((flag[u] & kNaN) || ((flag[u] & kPosInf) && (flag[u] & kNegInf))) {
-        x = quiet_nan<double>();
-      } else {
-        x = (flag[u] & kPosInf) ? INFINITY : -INFINITY;
-      }
-      out[i] = static_cast<scalar_t>(static_cast<acc_type<scalar_t>>(x));
-    }
+    out[i] = static_cast<scalar_t>(static_cast<acc_type<scalar_t>>(x));
   }
 }
 
@@ -181,36 +161,21 @@ __global__ void __launch_bounds__(kThreads) zero_touched_rows_kernel(
 template <typename scalar_t>
 __global__ void __launch_bounds__(kThreads) touched_cells_to_value_dtype_kernel(
     const float* __restrict__ buffer, TouchedCells touched, int64_t numel, scalar_t* __restrict__ out) {
-  const int64_t chunks = numel / 8;
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t first = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; first < chunks;
-       first += kInFlight * stride) {
-    bool marked[kInFlight];
-#pragma unroll
-    for (int u = 0; u < kInFlight; ++u) {
-      const int64_t c = first + u * stride;
-      marked[u] = c < chunks && touched.has_element(8 * c);
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x * 8;
+  for (int64_t i = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) * 8; i < numel; i += stride) {
+    float v[8] = {};
+    if (touched.has_element(i)) {
+      const float4 lo = *reinterpret_cast<const float4*>(buffer + i);
+      const float4 hi = *reinterpret_cast<const float4*>(buffer + i + 4);
+      v[0] = lo.x, v[1] = lo.y, v[2] = lo.z, v[3] = lo.w, v[4] = hi.x, v[5] = hi.y, v[6] = hi.z, v[7] = hi.w;
     }
-    float4 lo[kInFlight], hi[kInFlight];
+    Vec<scalar_t, 8> packed;
 #pragma unroll
-    for (int u = 0; u < kInFlight; ++u) {
-      const int64_t c = first + u * stride;
-      lo[u] = marked[u] ? *reinterpret_cast<const float4*>(buffer + 8 * c) : make_float4(0.f, 0.f, 0.f, 0.f);
-      hi[u] = marked[u] ? *reinterpret_cast<const float4*>(buffer + 8 * c + 4) : make_float4(0.f, 0.f, 0.f, 0.f);
-    }
+    for (int k = 0; k < 8; ++k) packed.v[k] = static_cast<scalar_t>(v[k]);
+    const uint4* from = reinterpret_cast<const uint4*>(&packed);
+    uint4* to = reinterpret_cast<uint4*>(out + i);
 #pragma unroll
-    for (int u = 0; u < kInFlight; ++u) {
-      const int64_t c = first + u * stride;
-      if (c >= chunks) break;
-      const float v[8] = {lo[u].x, lo[u].y, lo[u].z, lo[u].w, hi[u].x, hi[u].y, hi[u].z, hi[u].w};
-      Vec<scalar_t, 8> packed;
-#pragma unroll
-      for (int k = 0; k < 8; ++k) packed.v[k] = static_cast<scalar_t>(v[k]);
-      const uint4* from = reinterpret_cast<const uint4*>(&packed);
-      uint4* to = reinterpret_cast<uint4*>(out + 8 * c);
-#pragma unroll
-      for (int k = 0; k < static_cast<int>(sizeof(packed) / 16); ++k) to[k] = from[k];
-    }
+    for (int k = 0; k < static_cast<int>(sizeof(packed) / 16); ++k) to[k] = from[k];
   }
 }
 
@@ -321,13 +286,13 @@ at::Tensor ValueGradient::finish() {
   const auto stream = current_stream();
   MMDEFORM_TMA_DISPATCH_VALUE_TYPES(value_.scalar_type(), "value gradient", [&] {
     if (deterministic_) {
-      fixed_point_finalize_kernel<scalar_t><<<grid_for((numel + kInFlight - 1) / kInFlight), kThreads, 0, stream>>>(
+      fixed_point_finalize_kernel<scalar_t><<<grid_for(numel), kThreads, 0, stream>>>(
           reinterpret_cast<const long long*>(buffer_.data_ptr<int64_t>()),
           reinterpret_cast<const uint32_t*>(flags_.data_ptr<int32_t>()),
           reinterpret_cast<const FixedPointBounds*>(bounds_.data_ptr<int32_t>()), contributions_per_element_, touched,
           numel, reinterpret_cast<scalar_t*>(out.data_ptr()));
     } else if constexpr (!std::is_same_v<scalar_t, double>) {  // fp64 is never in touched cells
-      touched_cells_to_value_dtype_kernel<scalar_t><<<grid_for(numel / 8 / kInFlight), kThreads, 0, stream>>>(
+      touched_cells_to_value_dtype_kernel<scalar_t><<<grid_for(numel / 8), kThreads, 0, stream>>>(
           buffer_.data_ptr<float>(), touched, numel, reinterpret_cast<scalar_t*>(out.data_ptr()));
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
