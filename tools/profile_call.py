@@ -8,8 +8,8 @@
 torch.profiler over `--calls` eager calls of `mmdeform_tma.multi_scale_deformable_attn` and the
 backward of its output, input sets rotated as in tools/benchmark_op.py (L2 cannot hold them all).
 Each row is one kernel (on the CPU: one operator): its time and launch count per call, summed
-over its launches. `--grad-value-layouts` sets MMDEFORM_TMA_GRAD_VALUE_LAYOUT per run (dense:
-one fp32 accumulator row per value cell; touched: rows for the sampled cells only), so the two
+over its launches. `--grad-value-layouts` sets MMDEFORM_TMA_GRAD_VALUE_LAYOUT per run (dense: the
+whole accumulator zeroed and converted; touched: only the sampled cells' rows), so the two
 layouts of the value gradient are compared kernel by kernel. Writes JSON and Markdown.
 """
 

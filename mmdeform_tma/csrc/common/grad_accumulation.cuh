@@ -170,7 +170,6 @@ class ValueGradient {
   at::Tensor bounds_;   // FixedPointBounds (fixed point only)
   at::Tensor touched_;  // touched cells only: a byte per (batch, key, head) cell, nonzero when touched
   int64_t contributions_per_element_ = 0;
-  int channels_log2_ = 0;
   bool deterministic_;
 };
 
