@@ -15,16 +15,6 @@ constexpr int kThreads = 256;
 
 __device__ __forceinline__ float abs_if_finite(float x) { return isfinite(x) ? fabsf(x) : 0.0f; }
 
-// Drops a 128-byte line of the accumulator from L2 without writing it back (`discard.global.L2`,
-// sm_80+). The final passes read each line once and the buffer is freed after them, yet its dirty
-// lines would still be written to DRAM when evicted: up to the whole fp32 buffer per backward.
-constexpr int kLineBytes = 128;
-__device__ __forceinline__ void discard_l2_line(const void* line) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("discard.global.L2 [%0], 128;" ::"l"(line) : "memory");
-#endif
-}
-
 // Touched cells, one byte per (batch, key, head) cell, nonzero when touched. `marks` null: every
 // cell counts as touched.
 struct TouchedCells {
@@ -59,58 +49,69 @@ __global__ void __launch_bounds__(kThreads) fixed_point_bounds_kernel(
   }
 }
 
-// One element per thread; the loop runs warp-uniform so that a warp's reads of a line are done
-// (__syncwarp) before its first lane discards it.
 template <typename scalar_t>
 __global__ void __launch_bounds__(kThreads) fixed_point_finalize_kernel(
     const long long* __restrict__ fixed, const uint32_t* __restrict__ flags, const FixedPointBounds* __restrict__ bounds,
     int64_t contributions_per_element, TouchedCells touched, int64_t numel, scalar_t* __restrict__ out) {
-  constexpr int kLine = kLineBytes / sizeof(long long);
   const double inv_scale = 1.0 / fixed_point_scale(bounds, contributions_per_element);
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t base = blockIdx.x * static_cast<int64_t>(blockDim.x) + (threadIdx.x & ~31); base < numel; base += stride) {
-    const int64_t i = base + (threadIdx.x & 31);
-    const bool read = i < numel && touched.has_element(i);  // else never zeroed: nothing was added there
-    if (read) {
-      const uint32_t flag = (flags[i >> 2] >> (8 * (i & 3))) & 0xffu;
-      double x;
-      if (flag == 0) {
-        x = static_cast<double>(fixed[i]) * inv_scale;
-      } else if ((flag & kNaN) || ((flag & kPosInf) && (flag & kNegInf))) {
-        x = quiet_nan<double>();
-      } else {
-        x = (flag & kPosInf) ? INFINITY : -INFINITY;
-      }
-      out[i] = static_cast<scalar_t>(static_cast<acc_type<scalar_t>>(x));
-    } else if (i < numel) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < numel; i += stride) {
+    if (!touched.has_element(i)) {  // never zeroed: nothing was added there
       out[i] = static_cast<scalar_t>(0.0f);
+      continue;
     }
-    __syncwarp();
-    if (read && i % kLine == 0) discard_l2_line(fixed + i);
+    const uint32_t flag = (flags[i >> 2] >> (8 * (i & 3))) & 0xffu;
+    double x;
+    if (flag == 0) {
+      x = static_cast<double>(fixed[i]) * inv_scale;
+    } else if ((flag & kNaN) || ((flag & kPosInf) && (flag & kNegInf))) {
+      x = quiet_nan<double>();
+    } else {
+      x = (flag & kPosInf) ? INFINITY : -INFINITY;
+    }
+    out[i] = static_cast<scalar_t>(static_cast<acc_type<scalar_t>>(x));
   }
 }
 
-// Touched cells, in one launch after the marks are cleared. A level is marked whole when a
-// (batch, head) has at least as many corners there as the level has keys (4 x queries x points >=
-// height x width: the DETR decoder's three coarse levels); otherwise cell by cell, where corners
-// land.
+// Touched cells in two passes. A level is marked whole when a (batch, head) has at least as many
+// corners there as the level has keys (4 x queries x points >= height x width: the DETR
+// decoder's three coarse levels); otherwise cell by cell, where corners land.
 __device__ __forceinline__ bool marked_whole(const LevelGeometry& g, uint32_t queries, uint32_t points) {
   return 4 * static_cast<int64_t>(queries) * points >= static_cast<int64_t>(g.height) * g.width;
 }
 
-// The accumulator's rows (16-byte chunks) and, for fixed point, the flag bytes (8-byte chunks) of
-// value's (batch, key, head) cells.
-struct CellRows {
-  uint4* __restrict__ rows;
-  int row_chunks;
-  uint2* __restrict__ flag_rows;  // null: no flags
-  int flag_chunks;
-};
-
-__device__ __forceinline__ void zero_cell(const CellRows& r, int64_t cell) {
-  for (int k = 0; k < r.row_chunks; ++k) r.rows[cell * r.row_chunks + k] = uint4{};
-  if (r.flag_rows != nullptr) {
-    for (int k = 0; k < r.flag_chunks; ++k) r.flag_rows[cell * r.flag_chunks + k] = uint2{};
+// Marking: one thread per sampling point (item, level, point) of a level marked cell by cell
+// stores a 1 into the byte of each of its valid corners' cells. The corners come from the same
+// `bilinear` as every backward kernel's, so the marked cells are exactly the cells the kernels
+// add to. Bytes with plain stores: every writer writes the same value. Hundreds of corners share
+// each line of a coarse level's bytes, and the L2 took their writes (as it took atomics on a
+// bitmap) one at a time: 16-24 µs at DETR bs 2 (perf_notes 27-32), hence whole coarse levels.
+// 32-bit index arithmetic (the host keeps num_points < 2^31), and no level-geometry check, only a
+// bound on the cell: with inconsistent geometry the kernels add nothing, every marked row stays
+// zero, and the gradient is zero as in the dense layout.
+template <typename coord_t>
+__global__ void __launch_bounds__(kThreads) mark_touched_cells_kernel(
+    const coord_t* __restrict__ locations, const int64_t* __restrict__ shapes, const int64_t* __restrict__ starts,
+    uint32_t num_points, uint32_t queries, uint32_t heads, uint32_t levels, uint32_t points, int64_t num_keys,
+    int64_t cells, uint8_t* __restrict__ touched) {
+  const uint32_t stride = gridDim.x * blockDim.x;
+  for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < num_points; i += stride) {
+    const uint32_t item = i / (levels * points);
+    const int level = static_cast<int>((i / points) % levels);
+    const LevelGeometry g = level_geometry(shapes, starts, level);
+    if (marked_whole(g, queries, points)) continue;
+    const Bilinear<coord_t> bl = bilinear(locations[2 * static_cast<int64_t>(i)], locations[2 * static_cast<int64_t>(i) + 1],
+                                          g.height, g.width);
+    if (!bl.valid) continue;
+    const uint32_t batch = item / (queries * heads);
+    const uint32_t head = item % heads;
+    const int64_t top_left = batch * num_keys + g.start + static_cast<int64_t>(bl.y0) * g.width + bl.x0;
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      if (!(bl.valid & (1u << c))) continue;
+      const int64_t cell = (top_left + (c & 1) + ((c & 2) ? g.width : 0)) * heads + head;
+      if (cell >= 0 && cell < cells) touched[cell] = 1;
+    }
   }
 }
 
@@ -123,99 +124,58 @@ __device__ __forceinline__ void zero_marked_rows(Chunk* rows, int chunks_per_row
   }
 }
 
-// Blocks [0, mark_blocks): one thread per sampling point of a level marked cell by cell stores a 1
-// into the byte of each of its valid corners' cells and zeroes that cell's row (a cell that several
-// corners share is zeroed by each of them: same value, and it saves the pass over every cell that
-// zeroing marked rows afterwards took, perf_notes 34). The corners come from the same `bilinear` as
-// every backward kernel's, so the marked cells are exactly the cells the kernels add to. Plain
-// byte stores: every writer writes the same value. Hundreds of corners share each line of a
-// coarse level's bytes, and the L2 took their writes (as it took atomics on a bitmap) one at a
-// time: 16-24 µs at DETR bs 2 (perf_notes 27-32), hence whole coarse levels.
-// Other blocks: a warp per 32 consecutive cells marks and zeroes those of levels marked whole, in
-// whole lines. The two halves write disjoint cells.
-// 32-bit point indices (the host keeps num_points < 2^31), and no level-geometry check, only a
-// bound on the cell: with inconsistent geometry the kernels add nothing, every marked row stays
-// zero, and the gradient is zero as in the dense layout.
-template <typename coord_t>
-__global__ void __launch_bounds__(kThreads) prepare_touched_cells_kernel(
-    const coord_t* __restrict__ locations, const int64_t* __restrict__ shapes, const int64_t* __restrict__ starts,
-    uint32_t num_points, uint32_t queries, uint32_t heads, uint32_t levels, uint32_t points, int64_t num_keys,
-    int64_t cells, int mark_blocks, uint8_t* __restrict__ touched, CellRows r) {
-  if (static_cast<int>(blockIdx.x) < mark_blocks) {
-    const uint32_t stride = mark_blocks * blockDim.x;
-    for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < num_points; i += stride) {
-      const uint32_t item = i / (levels * points);
-      const int level = static_cast<int>((i / points) % levels);
-      const LevelGeometry g = level_geometry(shapes, starts, level);
-      if (marked_whole(g, queries, points)) continue;
-      const Bilinear<coord_t> bl = bilinear(locations[2 * static_cast<int64_t>(i)], locations[2 * static_cast<int64_t>(i) + 1],
-                                            g.height, g.width);
-      if (!bl.valid) continue;
-      const uint32_t batch = item / (queries * heads);
-      const uint32_t head = item % heads;
-      const int64_t top_left = batch * num_keys + g.start + static_cast<int64_t>(bl.y0) * g.width + bl.x0;
-#pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        if (!(bl.valid & (1u << c))) continue;
-        const int64_t cell = (top_left + (c & 1) + ((c & 2) ? g.width : 0)) * heads + head;
-        if (cell >= 0 && cell < cells) {
+// Zeroing: a warp per 32 consecutive cells. A cell of a level marked whole gets its byte here (for
+// the final pass); then the accumulator rows (16-byte chunks) and, for fixed point, the flag
+// bytes (8-byte chunks) of the marked cells are zeroed.
+__global__ void __launch_bounds__(kThreads) zero_touched_rows_kernel(
+    const int64_t* __restrict__ shapes, const int64_t* __restrict__ starts, uint32_t queries, uint32_t heads,
+    uint32_t levels, uint32_t points, int64_t num_keys, uint8_t* __restrict__ touched, int64_t cells,
+    uint4* __restrict__ rows, int row_chunks, uint2* __restrict__ flag_rows, int flag_chunks) {
+  const int lane = threadIdx.x & 31;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
+  const int64_t words = (cells + 31) / 32;
+  for (int64_t w = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / 32; w < words; w += warps) {
+    const int64_t cell = 32 * w + lane;
+    bool marked = false;
+    if (cell < cells) {
+      marked = touched[cell] != 0;
+      if (!marked) {
+        const int64_t key = (cell / heads) % num_keys;
+        int level = 0;  // the last level starting at or before the key
+        for (uint32_t l = 1; l < levels; ++l) level = __ldg(starts + l) <= key ? static_cast<int>(l) : level;
+        if (marked_whole(level_geometry(shapes, starts, level), queries, points)) {
+          marked = true;
           touched[cell] = 1;
-          zero_cell(r, cell);
         }
       }
     }
-    return;
-  }
-  const int lane = threadIdx.x & 31;
-  const int64_t warps = static_cast<int64_t>(gridDim.x - mark_blocks) * (blockDim.x / 32);
-  const int64_t words = (cells + 31) / 32;
-  for (int64_t w = ((blockIdx.x - mark_blocks) * static_cast<int64_t>(blockDim.x) + threadIdx.x) / 32; w < words;
-       w += warps) {
-    const int64_t cell = 32 * w + lane;
-    bool whole = false;
-    if (cell < cells) {
-      const int64_t key = (cell / heads) % num_keys;
-      int level = 0;  // the last level starting at or before the key
-      for (uint32_t l = 1; l < levels; ++l) level = __ldg(starts + l) <= key ? static_cast<int>(l) : level;
-      whole = marked_whole(level_geometry(shapes, starts, level), queries, points);
-      if (whole) touched[cell] = 1;
-    }
-    const uint32_t bits = __ballot_sync(0xffffffffu, whole);
+    const uint32_t bits = __ballot_sync(0xffffffffu, marked);
     if (bits == 0u) continue;
-    zero_marked_rows(r.rows + w * 32 * r.row_chunks, r.row_chunks, bits, lane);
-    if (r.flag_rows != nullptr) zero_marked_rows(r.flag_rows + w * 32 * r.flag_chunks, r.flag_chunks, bits, lane);
+    zero_marked_rows(rows + w * 32 * row_chunks, row_chunks, bits, lane);
+    if (flag_rows != nullptr) zero_marked_rows(flag_rows + w * 32 * flag_chunks, flag_chunks, bits, lane);
   }
 }
 
 // The fp32 accumulator into the gradient in value's dtype, 8 elements (of one cell: channels is a
-// multiple of 8) per thread and step, so four lanes read a line; cells nobody touched are zero.
-// The loop runs warp-uniform so that the four are done (__syncwarp) before the first discards it.
+// multiple of 8) per step; cells nobody touched are zero.
 template <typename scalar_t>
-__global__ void __launch_bounds__(kThreads) accumulator_to_value_dtype_kernel(
+__global__ void __launch_bounds__(kThreads) touched_cells_to_value_dtype_kernel(
     const float* __restrict__ buffer, TouchedCells touched, int64_t numel, scalar_t* __restrict__ out) {
-  constexpr int kLine = kLineBytes / sizeof(float);
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x * 8;
-  for (int64_t base = (blockIdx.x * static_cast<int64_t>(blockDim.x) + (threadIdx.x & ~31)) * 8; base < numel;
-       base += stride) {
-    const int64_t i = base + 8 * (threadIdx.x & 31);
-    const bool read = i < numel && touched.has_element(i);
+  for (int64_t i = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) * 8; i < numel; i += stride) {
     float v[8] = {};
-    if (read) {
+    if (touched.has_element(i)) {
       const float4 lo = *reinterpret_cast<const float4*>(buffer + i);
       const float4 hi = *reinterpret_cast<const float4*>(buffer + i + 4);
       v[0] = lo.x, v[1] = lo.y, v[2] = lo.z, v[3] = lo.w, v[4] = hi.x, v[5] = hi.y, v[6] = hi.z, v[7] = hi.w;
     }
-    if (i < numel) {
-      Vec<scalar_t, 8> packed;
+    Vec<scalar_t, 8> packed;
 #pragma unroll
-      for (int k = 0; k < 8; ++k) packed.v[k] = static_cast<scalar_t>(v[k]);
-      const uint4* from = reinterpret_cast<const uint4*>(&packed);
-      uint4* to = reinterpret_cast<uint4*>(out + i);
+    for (int k = 0; k < 8; ++k) packed.v[k] = static_cast<scalar_t>(v[k]);
+    const uint4* from = reinterpret_cast<const uint4*>(&packed);
+    uint4* to = reinterpret_cast<uint4*>(out + i);
 #pragma unroll
-      for (int k = 0; k < static_cast<int>(sizeof(packed) / 16); ++k) to[k] = from[k];
-    }
-    __syncwarp();
-    if (read && i % kLine == 0) discard_l2_line(buffer + i);
+    for (int k = 0; k < static_cast<int>(sizeof(packed) / 16); ++k) to[k] = from[k];
   }
 }
 
@@ -292,32 +252,35 @@ ValueGradient::ValueGradient(const ProblemTensors& problem, const at::Tensor& gr
 void ValueGradient::mark_touched_cells(const ProblemTensors& problem) {
   const int64_t cells = problem.batch * problem.num_keys * problem.heads;
   touched_ = uninitialized({cells}, problem.value.options().dtype(at::kByte));
-  const auto stream = current_stream();
-  C10_CUDA_CHECK(cudaMemsetAsync(touched_.data_ptr(), 0, touched_.nbytes(), stream));
-  if (cells == 0) return;
+  C10_CUDA_CHECK(cudaMemsetAsync(touched_.data_ptr(), 0, touched_.nbytes(), current_stream()));
   const int64_t num_points = problem.num_items() * problem.levels * problem.points;
-  const int mark_blocks = num_points == 0 ? 0 : grid_for(num_points);
-  // channels is a multiple of 8: a cell's row is whole 16-byte chunks, its flags (a byte per
-  // element) whole 8-byte chunks.
-  const CellRows rows{reinterpret_cast<uint4*>(buffer_.data_ptr()),
-                      static_cast<int>(problem.channels * buffer_.element_size() / 16),
-                      deterministic_ ? reinterpret_cast<uint2*>(flags_.data_ptr<int32_t>()) : nullptr,
-                      static_cast<int>(problem.channels / 8)};
-  prepare_touched_cells_kernel<float><<<mark_blocks + grid_for(cells), kThreads, 0, stream>>>(
+  if (num_points == 0) return;
+  const auto stream = current_stream();
+  mark_touched_cells_kernel<float><<<grid_for(num_points), kThreads, 0, stream>>>(
       problem.sampling_locations.data_ptr<float>(), problem.spatial_shapes.data_ptr<int64_t>(),
       problem.level_start_index.data_ptr<int64_t>(), static_cast<uint32_t>(num_points),
       static_cast<uint32_t>(problem.queries), static_cast<uint32_t>(problem.heads), static_cast<uint32_t>(problem.levels),
-      static_cast<uint32_t>(problem.points), problem.num_keys, cells, mark_blocks, touched_.data_ptr<uint8_t>(), rows);
+      static_cast<uint32_t>(problem.points), problem.num_keys, cells, touched_.data_ptr<uint8_t>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  // channels is a multiple of 8: a cell's row is whole 16-byte chunks, its flags (a byte per
+  // element) whole 8-byte chunks.
+  const int row_chunks = static_cast<int>(problem.channels * buffer_.element_size() / 16);
+  const int flag_chunks = static_cast<int>(problem.channels / 8);
+  zero_touched_rows_kernel<<<grid_for(cells), kThreads, 0, stream>>>(
+      problem.spatial_shapes.data_ptr<int64_t>(), problem.level_start_index.data_ptr<int64_t>(),
+      static_cast<uint32_t>(problem.queries), static_cast<uint32_t>(problem.heads), static_cast<uint32_t>(problem.levels),
+      static_cast<uint32_t>(problem.points), problem.num_keys, touched_.data_ptr<uint8_t>(), cells,
+      reinterpret_cast<uint4*>(buffer_.data_ptr()), row_chunks,
+      deterministic_ ? reinterpret_cast<uint2*>(flags_.data_ptr<int32_t>()) : nullptr, flag_chunks);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 at::Tensor ValueGradient::finish() {
-  // fp32 and fp64 add straight into the result (dense, fast path)
-  if (!deterministic_ && buffer_.scalar_type() == value_.scalar_type()) return buffer_;
-  const int64_t numel = value_.numel();
-  // the conversion kernel moves 8 elements at a time (touched cells: channels % 8 == 0)
-  if (!deterministic_ && numel % 8 != 0) return buffer_.to(value_.scalar_type());
+  if (!deterministic_ && !touched_.defined()) {
+    return buffer_.scalar_type() == value_.scalar_type() ? buffer_ : buffer_.to(value_.scalar_type());
+  }
   at::Tensor out = uninitialized(value_.sizes(), value_.options());
+  const int64_t numel = out.numel();
   if (numel == 0) return out;
   const TouchedCells touched{touched_.defined() ? touched_.data_ptr<uint8_t>() : nullptr, value_.size(-1)};
   const auto stream = current_stream();
@@ -328,8 +291,8 @@ at::Tensor ValueGradient::finish() {
           reinterpret_cast<const uint32_t*>(flags_.data_ptr<int32_t>()),
           reinterpret_cast<const FixedPointBounds*>(bounds_.data_ptr<int32_t>()), contributions_per_element_, touched,
           numel, reinterpret_cast<scalar_t*>(out.data_ptr()));
-    } else if constexpr (sizeof(scalar_t) == 2) {  // the fp32 buffer of half-precision values
-      accumulator_to_value_dtype_kernel<scalar_t><<<grid_for(numel / 8), kThreads, 0, stream>>>(
+    } else if constexpr (!std::is_same_v<scalar_t, double>) {  // fp64 is never in touched cells
+      touched_cells_to_value_dtype_kernel<scalar_t><<<grid_for(numel / 8), kThreads, 0, stream>>>(
           buffer_.data_ptr<float>(), touched, numel, reinterpret_cast<scalar_t*>(out.data_ptr()));
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();

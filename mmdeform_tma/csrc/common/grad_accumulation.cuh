@@ -13,9 +13,8 @@
 //
 // Either buffer is zeroed whole (dense), or only in the rows of the (batch, key, head) cells that
 // a valid corner touches (touched cells): when the corners cover few of value's cells, as in
-// decoders, one pass marks those cells and zeroes their rows, and the final pass writes the whole
-// gradient in value's dtype, zero for every other cell. The final passes drop the accumulator's
-// lines from L2 once read, so that its dirty lines are never written back to DRAM. Kernels add to the same addresses either
+// decoders, two passes mark those cells and zero their rows, and the final pass writes the whole
+// gradient in value's dtype, zero for every other cell. Kernels add to the same addresses either
 // way. A half-precision decoder then never zeroes, reads and converts the whole fp32 buffer,
 // which was half of its backward (perf_notes, session 14).
 #pragma once
