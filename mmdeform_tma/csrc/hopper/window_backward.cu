@@ -24,10 +24,13 @@
 // result at about 1.4x its rounding error, against the 1.5x allowed); after a barrier, the window's value gradient is A^T (cells x slots)
 // times the tile's output-gradient rows (slots x channels), and each warp reduces its cells' sums
 // once, skipping untouched cells. Per point the consumers keep only the dot products (corners via
-// L1) and the location and attention gradients: no reductions for window points. A warp zeroes
+// L1) and the location and attention gradients: no reductions for window points. With teams of
+// four lanes (32 channels) the dot products run on the tensor cores too (mma_point_dots). A warp zeroes
 // the block of A it alone read; a second barrier orders that before the next stage's writes.
 // Rows of non-finite output gradients, weights beyond |1| and points outside the window take the
 // direct path, so A and the staged rows stay finite and a NaN reaches only the cells it touches.
+#include <cstddef>
+
 #include "../common/grad_accumulation.cuh"
 #include "../common/launchers.h"
 #include "backward_chunk.h"
@@ -274,6 +277,75 @@ __device__ __forceinline__ PointCorners<16> load_split_point(const WindowPoint<f
   return c;
 }
 
+// A point's four dot products <grad_output row, corner row> on the tensor cores, for a warp of
+// eight teams of four lanes (32 channels in split lanes), each team at its own point. As a product
+// D = G x V^T, the rows of G are the eight teams' output-gradient rows (rows 8-15 zero) and the
+// columns of V^T the 32 corners, eight per n-tile: n-tile j holds the corners of teams 2j and
+// 2j + 1. Only D's entries where a corner meets its own team's row are wanted (1/16 of the
+// product): the tensor cores do in 8 instructions per warp what 64 conversions and FMAs per lane,
+// and the team sums after them, did.
+// Channels are k, and k's order inside a product is free: lane (g, t) gives k = 2t, 2t + 1,
+// 2t + 8, 2t + 9 of k-tile 0 the channels 4t..4t+3 it holds in its first split half, and of k-tile
+// 1 those of its second half, in both operands. So the A fragment is the lane's own output-gradient
+// halves and the B fragment a corner chunk it loads, as loaded: the corner (g mod 4) of team
+// 2j + g / 4's point, whose (key, valid) it reads from that point's metadata.
+// Returns, in the lane with t = 2 (g mod 2), its team's four dots (the other lanes hold the
+// partner team's or nothing).
+struct MmaDots {
+  float dot[4];
+};
+
+constexpr uint32_t kMetaKeyOffset = offsetof(WindowPoint<float>, key);  // `valid` follows `key`
+static_assert(offsetof(WindowPoint<float>, valid) == kMetaKeyOffset + 4, "key and valid are read as one pair");
+
+// The lane's B chunks: for n-tile j, corner (g mod 4) of the point of team 2j + g / 4, whose
+// metadata lies `team_meta_stride` bytes after team 0's.
+__device__ __forceinline__ void load_mma_corners(Chunk<16> (&b)[4], uint32_t meta_of_team0, uint32_t team_meta_stride,
+                                                 const SplitLane& split, uint32_t zeros, const void* head_value,
+                                                 int element_size, int64_t key_stride, int64_t row_stride) {
+  const int lane = threadIdx.x & 31;
+  const int corner = (lane >> 2) & 3;
+  const uint32_t zero = zeros + static_cast<uint32_t>(element_size * split.lo);
+  const uint32_t half_bytes = static_cast<uint32_t>(element_size * (split.hi - split.lo));
+  const char* corner_base = static_cast<const char*>(head_value) +
+                            element_size * (split.lo + ((corner & 1) ? key_stride : 0) + ((corner & 2) ? row_stride : 0));
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const uint32_t source = meta_of_team0 + static_cast<uint32_t>(2 * j + (lane >> 4)) * team_meta_stride;
+    uint32_t key, valid;
+    asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(key), "=r"(valid) : "r"(source + kMetaKeyOffset));
+    b[j] = load_split_corner(valid & (1u << corner), zero,
+                             corner_base + element_size * static_cast<int64_t>(static_cast<int>(key)) * key_stride, half_bytes);
+  }
+}
+
+template <typename scalar_t>
+__device__ __forceinline__ MmaDots mma_point_dots(uint32_t meta_of_team0, uint32_t team_meta_stride, const SplitLane& split,
+                                                  uint32_t zeros, const void* head_value, int64_t key_stride,
+                                                  int64_t row_stride, uint2 go_lo, uint2 go_hi) {
+  Chunk<16> b[4];
+  load_mma_corners(b, meta_of_team0, team_meta_stride, split, zeros, head_value, static_cast<int>(sizeof(scalar_t)),
+                   key_stride, row_stride);
+  const int lane = threadIdx.x & 31;
+  const uint32_t a_lo[4] = {go_lo.x, 0u, go_lo.y, 0u}, a_hi[4] = {go_hi.x, 0u, go_hi.y, 0u};
+  float mine0 = 0.0f, mine1 = 0.0f;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    mma_16x8x16<scalar_t>(d, a_lo, b[j].r[0], b[j].r[1]);
+    mma_16x8x16<scalar_t>(d, a_hi, b[j].r[2], b[j].r[3]);
+    if (j == (lane >> 3)) mine0 = d[0], mine1 = d[1];  // columns 2t, 2t + 1 of this team's n-tile
+  }
+  const float other0 = __shfl_xor_sync(0xffffffffu, mine0, 1), other1 = __shfl_xor_sync(0xffffffffu, mine1, 1);
+  return MmaDots{{mine0, mine1, other0, other1}};
+}
+
+// The lane that holds its team's dots after mma_point_dots: t = 2 (g mod 2).
+__device__ __forceinline__ bool holds_mma_dots() {
+  const int lane = threadIdx.x & 31;
+  return (lane & 3) == 2 * ((lane >> 2) & 1);
+}
+
 // Reduces one 16 x 8 accumulator tile (window cells x channels) into the sink: lane pairs swap
 // halves so that each lane holds four consecutive channels of one cell (even lanes row g, odd
 // lanes row g + 8). `index` is the lane's element for channel 0 of the tile; cells that no point
@@ -366,8 +438,10 @@ constexpr bool four_ctas_built() {
   return std::is_same_v<Sink, AtomicSink<float>> && (sizeof(scalar_t) == 4 || kChunkBytes == 8);
 }
 
+// kMmaDots: an MMA kernel whose teams are four lanes (32 channels) takes the point's dot products
+// on the tensor cores too (mma_point_dots).
 template <typename scalar_t, int kChunkBytes, typename Sink, Aggregation kAggregation,
-          int kCtasPerSm = min_blocks_per_multiprocessor<scalar_t>()>
+          int kCtasPerSm = min_blocks_per_multiprocessor<scalar_t>(), bool kMmaDots = false>
 __global__ void __launch_bounds__(kMaxThreads, kCtasPerSm)
     backward_kernel(
     const __grid_constant__ CUtensorMap value_map, const __grid_constant__ Problem<scalar_t> p,
@@ -380,6 +454,7 @@ __global__ void __launch_bounds__(kMaxThreads, kCtasPerSm)
   constexpr int VEC = kChunkBytes / static_cast<int>(sizeof(scalar_t));
   constexpr bool kGather = kAggregation == Aggregation::kGather;
   constexpr bool kMma = kAggregation == Aggregation::kMma;
+  static_assert(!kMmaDots || (kMma && kChunkBytes == 16), "MMA dots are an MMA kernel's, in 16-byte split lanes");
   extern __shared__ __align__(128) char dynamic_smem[];
 
   if (!level_geometry_ok(p.spatial_shapes, p.level_start, p.levels, p.num_keys)) {
@@ -439,11 +514,14 @@ __global__ void __launch_bounds__(kMaxThreads, kCtasPerSm)
       const int64_t first_point = row * points + at.level * p.points;  // of this slot's level, in grad_weights
       acc_t go[VEC];  // reloaded per level (an L1/L2 hit): registers stay free of the other queries
       bool finite_row = false;  // MMA: the slot's row is finite, so its window points may join A
+      uint2 raw_lo{}, raw_hi{};   // MMA: the row's two split halves as loaded (the dots' A operand)
       if constexpr (kMma) {
         constexpr int kHalf = VEC / 2;
         const scalar_t* go_row = grad_output + row * p.channels;
         const Vec<scalar_t, kHalf> lo = load_vec<scalar_t, kHalf>(go_row + split.lo);
         const Vec<scalar_t, kHalf> hi = load_vec<scalar_t, kHalf>(go_row + split.hi);
+        raw_lo = *reinterpret_cast<const uint2*>(&lo);
+        raw_hi = *reinterpret_cast<const uint2*>(&hi);
         acc_t half[kHalf];
         to_acc(lo, half);
 #pragma unroll
@@ -457,7 +535,6 @@ __global__ void __launch_bounds__(kMaxThreads, kCtasPerSm)
         finite_row = warp_team_all(finite, s.team);
         if (at.level == 0) {  // the B operand: the row as it is, or zeros (never a NaN in the product)
           const uint32_t staged = smem_base + static_cast<uint32_t>(s.g_offset + slot * s.g_stride);
-          const uint2 raw_lo = *reinterpret_cast<const uint2*>(&lo), raw_hi = *reinterpret_cast<const uint2*>(&hi);
           st_shared_v2(staged + 2u * static_cast<uint32_t>(split.lo), finite_row ? raw_lo : make_uint2(0u, 0u));
           st_shared_v2(staged + 2u * static_cast<uint32_t>(split.hi), finite_row ? raw_hi : make_uint2(0u, 0u));
         }
@@ -478,10 +555,9 @@ __global__ void __launch_bounds__(kMaxThreads, kCtasPerSm)
         // A point that misses the level runs through too (its corners read zeros, its gradients
         // are zero): the warp stays converged for the shuffles below.
         const WindowPoint<coord_t> m = slot_meta[point];
-        acc_t dot[4];
         PointCorners<kChunkBytes> corners;
         if constexpr (kMma) {
-          corners = load_split_point(m, split, zeros, p.value + head_column, key_stride, row_stride);
+          if constexpr (!kMmaDots) corners = load_split_point(m, split, zeros, p.value + head_column, key_stride, row_stride);
         } else {
           corners = load_point<scalar_t, VEC>(m, s.load_window && w.rows > 0, window, zeros, s, cl, lane_value, key_stride,
                                               row_stride);
@@ -489,9 +565,9 @@ __global__ void __launch_bounds__(kMaxThreads, kCtasPerSm)
         // Window points whose contributions are summed per cell below (gather, MMA).
         bool gathered = false;
         if constexpr (kGather) gathered = w.rows > 0 && m.cell >= 0;
-        if constexpr (kMma) {
-          gathered = w.rows > 0 && m.cell >= 0 && finite_row && fabsf(m.attention) <= 1.0f;
-          if (gathered && cl.lane < 4) {  // lane c of the team adds corner c (first: fewer live registers)
+        // MMA: lane c of the team adds corner c of a gathered point to A.
+        const auto add_weights = [&] {
+          if (gathered && cl.lane < 4) {
             const int c = cl.lane;
             // selected, not indexed: a run-time index would put the metadata on the stack
             const coord_t weight = c == 0 ? m.weight[0] : c == 1 ? m.weight[1] : c == 2 ? m.weight[2] : m.weight[3];
@@ -499,43 +575,81 @@ __global__ void __launch_bounds__(kMaxThreads, kCtasPerSm)
                                      static_cast<float>(weight) * s.weight_scale);
           }
           __syncwarp();  // the next point's lanes see these weights
+        };
+        if constexpr (kMma) {
+          gathered = w.rows > 0 && m.cell >= 0 && finite_row && fabsf(m.attention) <= 1.0f;
+          if constexpr (!kMmaDots) add_weights();  // before the corners are converted: fewer live registers
         }
-        use_corners<scalar_t, VEC>(corners, [&](int c, const acc_t (&v)[VEC]) {
-          dot[c] = acc_t(0);
-#pragma unroll
-          for (int k = 0; k < VEC; ++k) dot[c] = fma(go[k], v[k], dot[c]);
+        // The direct path's contribution of corner c: one reduction per corner.
+        const auto add_direct = [&](int c) {
           if (!(m.valid & (1u << c))) return;
           if constexpr (kGather || kMma) {
             if (gathered) return;
           }
           const acc_t weight = static_cast<acc_t>(m.weight[c]);
-          acc_t contribution[VEC];
-#pragma unroll
-          for (int k = 0; k < VEC; ++k) contribution[k] = weight * go[k];
           const int64_t key = static_cast<int64_t>(m.key) + (c & 1) + ((c & 2) ? w.width : 0);
           if constexpr (kMma) {
             constexpr int kHalf = VEC / 2;
             acc_t lo[kHalf], hi[kHalf];
+            if constexpr (kMmaDots) {  // from the row's halves as loaded: go[] is not kept live for this rarer path
+              chunk_to_acc<scalar_t, kHalf>(Chunk<8>{{raw_lo.x, raw_lo.y}}, lo);
+              chunk_to_acc<scalar_t, kHalf>(Chunk<8>{{raw_hi.x, raw_hi.y}}, hi);
+            } else {
+#pragma unroll
+              for (int k = 0; k < kHalf; ++k) lo[k] = go[k], hi[k] = go[kHalf + k];
+            }
 #pragma unroll
             for (int k = 0; k < kHalf; ++k) {
-              lo[k] = contribution[k];
-              hi[k] = contribution[kHalf + k];
+              lo[k] *= weight;
+              hi[k] *= weight;
             }
             sink.add(key * key_stride + head_column + split.lo, lo);
             sink.add(key * key_stride + head_column + split.hi, hi);
           } else {
+            acc_t contribution[VEC];
+#pragma unroll
+            for (int k = 0; k < VEC; ++k) contribution[k] = weight * go[k];
             sink.add(key * key_stride + head_offset, contribution);
           }
-        });
+        };
+        acc_t dot[4];
+        bool whole_dots = false;  // dot[] holds whole dot products, not this lane's share of them
+        if constexpr (kMma) {
+          if constexpr (kMmaDots) {
+            const uint32_t meta_of_team0 = smem_address(meta) + static_cast<uint32_t>(sizeof(WindowPoint<coord_t>)) *
+                                           static_cast<uint32_t>((slot - (cl.team & 7)) * p.points + point);
+            const MmaDots d = mma_point_dots<scalar_t>(meta_of_team0, static_cast<uint32_t>(sizeof(WindowPoint<coord_t>) * p.points),
+                                                       split, zeros, p.value + head_column, key_stride, row_stride, raw_lo,
+                                                       raw_hi);
+            add_weights();  // after the products: the chunks are dead by then
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+              dot[c] = d.dot[c];
+              add_direct(c);
+            }
+            whole_dots = true;
+          }
+        }
+        if (!whole_dots) {
+          use_corners<scalar_t, VEC>(corners, [&](int c, const acc_t (&v)[VEC]) {
+            dot[c] = acc_t(0);
+#pragma unroll
+            for (int k = 0; k < VEC; ++k) dot[c] = fma(go[k], v[k], dot[c]);
+            add_direct(c);
+          });
+        }
         const acc_t ly = m.ly, lx = m.lx, hy = acc_t(1) - ly, hx = acc_t(1) - lx;
         acc_t grad_a = hy * hx * dot[kTopLeft] + hy * lx * dot[kTopRight] + ly * hx * dot[kBottomLeft] +
                        ly * lx * dot[kBottomRight];
         acc_t grad_x = hy * (dot[kTopRight] - dot[kTopLeft]) + ly * (dot[kBottomRight] - dot[kBottomLeft]);
         acc_t grad_y = hx * (dot[kBottomLeft] - dot[kTopLeft]) + lx * (dot[kBottomRight] - dot[kTopRight]);
-        grad_a = warp_team_sum(grad_a, s.team);
-        grad_x = warp_team_sum(grad_x, s.team);
-        grad_y = warp_team_sum(grad_y, s.team);
-        if (query >= 0 && cl.lane == 0) {  // a point that misses the level has zero gradients, even for a NaN row
+        if (!whole_dots) {
+          grad_a = warp_team_sum(grad_a, s.team);
+          grad_x = warp_team_sum(grad_x, s.team);
+          grad_y = warp_team_sum(grad_y, s.team);
+        }
+        const bool store_lane = whole_dots ? holds_mma_dots() : cl.lane == 0;
+        if (query >= 0 && store_lane) {  // a point that misses the level has zero gradients, even for a NaN row
           const bool sampled = m.valid != 0u;
           grad_weights[first_point + point] = sampled ? grad_a : coord_t(0);
           // (x, y) in one store: ncu (H100, 2026-11-24) had these scalar stores at 10 % of the L1's tag lookups
@@ -599,6 +713,15 @@ __global__ void __launch_bounds__(kMaxThreads, kCtasPerSm)
 
 }  // namespace
 
+template <typename F>
+void with_mma_dots(bool dots, F&& f) {
+  if (dots) {
+    f(std::true_type{});
+  } else {
+    f(std::false_type{});
+  }
+}
+
 Gradients backward(const ProblemTensors& problem, const at::Tensor& grad_output, int64_t config, bool deterministic) {
   hopper::require_hopper("tma_ws");
   hopper::require_tma_channels(problem.value, "tma_ws");
@@ -622,16 +745,21 @@ Gradients backward(const ProblemTensors& problem, const at::Tensor& grad_output,
         // then fails with "invalid resource handle").
         using Sink = std::decay_t<decltype(sink)>;
         if constexpr (sizeof(scalar_t) == 2) {
-          if constexpr (std::is_same_v<Sink, AtomicSink<float>>) {  // the fixed-point one spills at 96 registers
-            if (s.mma && s.ctas_per_sm == 4) {
-              launch_persistent<scalar_t>(backward_kernel<scalar_t, kMmaChunkBytes, Sink, Aggregation::kMma, 4>, problem,
-                                          s, go, sink, grad_locations, grad_weights);
-              return;
-            }
-          }
           if (s.mma) {
-            launch_persistent<scalar_t>(backward_kernel<scalar_t, kMmaChunkBytes, Sink, Aggregation::kMma>, problem, s,
-                                        go, sink, grad_locations, grad_weights);
+            // teams of four lanes (32 channels): dots on the tensor cores too
+            with_mma_dots(s.team == 4, [&](auto dots) {
+              constexpr bool kDots = decltype(dots)::value;
+              constexpr int kMinCtas = min_blocks_per_multiprocessor<scalar_t>();
+              if constexpr (std::is_same_v<Sink, AtomicSink<float>>) {  // the fixed-point one spills at 96 registers
+                if (s.ctas_per_sm == 4) {
+                  launch_persistent<scalar_t>(backward_kernel<scalar_t, kMmaChunkBytes, Sink, Aggregation::kMma, 4, kDots>,
+                                              problem, s, go, sink, grad_locations, grad_weights);
+                  return;
+                }
+              }
+              launch_persistent<scalar_t>(backward_kernel<scalar_t, kMmaChunkBytes, Sink, Aggregation::kMma, kMinCtas, kDots>,
+                                          problem, s, go, sink, grad_locations, grad_weights);
+            });
             return;
           }
         }
