@@ -278,17 +278,18 @@ __device__ __forceinline__ PointCorners<16> load_split_point(const WindowPoint<f
 }
 
 // A point's four dot products <grad_output row, corner row> on the tensor cores, for a warp of
-// eight teams of four lanes (32 channels in split lanes), each team at its own point. As a product
-// D = G x V^T, the rows of G are the eight teams' output-gradient rows (rows 8-15 zero) and the
-// columns of V^T the 32 corners, eight per n-tile: n-tile j holds the corners of teams 2j and
-// 2j + 1. Only D's entries where a corner meets its own team's row are wanted (1/16 of the
-// product): the tensor cores do in 8 instructions per warp what 64 conversions and FMAs per lane,
-// and the team sums after them, did.
-// Channels are k, and k's order inside a product is free: lane (g, t) gives k = 2t, 2t + 1,
-// 2t + 8, 2t + 9 of k-tile 0 the channels 4t..4t+3 it holds in its first split half, and of k-tile
-// 1 those of its second half, in both operands. So the A fragment is the lane's own output-gradient
-// halves and the B fragment a corner chunk it loads, as loaded: the corner (g mod 4) of team
-// 2j + g / 4's point, whose (key, valid) it reads from that point's metadata.
+// eight teams of four lanes (32 channels), each team at its own point. As a product D = G x V^T,
+// the rows of G are the eight teams' output-gradient rows (rows 8-15 zero) and the columns of V^T
+// the 32 corners, eight per n-tile: n-tile j holds the corners of teams 2j and 2j + 1. Only D's
+// entries where a corner meets its own team's row are wanted (1/16 of the product): the tensor
+// cores do in 8 instructions per warp what 64 conversions and FMAs per lane, and the team sums
+// after them, did.
+// Channels are k, and k's order inside a product is free: lane (g, t) gives k = 2t, 2t + 1, 2t + 8,
+// 2t + 9 of k-tile 0 the channels 8t..8t+3 and of k-tile 1 the channels 8t+4..8t+7, in both
+// operands. So the A fragment is one 16-byte chunk of the lane's own output-gradient row, and its B
+// fragment one 16-byte chunk of a corner, the corner (g mod 4) of team 2j + g / 4's point, whose
+// (key, valid) it reads from that point's metadata. Whole 16-byte chunks, not the split halves
+// the direct path reduces: a warp's load then touches one line per 64-byte corner row, not two.
 // Returns, in the lane with t = 2 (g mod 2), its team's four dots (the other lanes hold the
 // partner team's or nothing).
 struct MmaDots {
@@ -299,41 +300,38 @@ constexpr uint32_t kMetaKeyOffset = offsetof(WindowPoint<float>, key);  // `vali
 static_assert(offsetof(WindowPoint<float>, valid) == kMetaKeyOffset + 4, "key and valid are read as one pair");
 
 // The lane's B chunks: for n-tile j, corner (g mod 4) of the point of team 2j + g / 4, whose
-// metadata lies `team_meta_stride` bytes after team 0's.
+// metadata lies `team_meta_stride` bytes after team 0's; `lane_value` is the head's channel 8t.
+template <typename scalar_t>
 __device__ __forceinline__ void load_mma_corners(Chunk<16> (&b)[4], uint32_t meta_of_team0, uint32_t team_meta_stride,
-                                                 const SplitLane& split, uint32_t zeros, const void* head_value,
-                                                 int element_size, int64_t key_stride, int64_t row_stride) {
+                                                 uint32_t lane_zero, const scalar_t* lane_value, int64_t key_stride,
+                                                 int64_t row_stride) {
   const int lane = threadIdx.x & 31;
   const int corner = (lane >> 2) & 3;
-  const uint32_t zero = zeros + static_cast<uint32_t>(element_size * split.lo);
-  const uint32_t half_bytes = static_cast<uint32_t>(element_size * (split.hi - split.lo));
-  const char* corner_base = static_cast<const char*>(head_value) +
-                            element_size * (split.lo + ((corner & 1) ? key_stride : 0) + ((corner & 2) ? row_stride : 0));
+  const scalar_t* corner_base = lane_value + ((corner & 1) ? key_stride : 0) + ((corner & 2) ? row_stride : 0);
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
     const uint32_t source = meta_of_team0 + static_cast<uint32_t>(2 * j + (lane >> 4)) * team_meta_stride;
     uint32_t key, valid;
     asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(key), "=r"(valid) : "r"(source + kMetaKeyOffset));
-    b[j] = load_split_corner(valid & (1u << corner), zero,
-                             corner_base + element_size * static_cast<int64_t>(static_cast<int>(key)) * key_stride, half_bytes);
+    b[j] = load_corner<16>(!(valid & (1u << corner)), lane_zero,
+                           corner_base + static_cast<int64_t>(static_cast<int>(key)) * key_stride);
   }
 }
 
 template <typename scalar_t>
-__device__ __forceinline__ MmaDots mma_point_dots(uint32_t meta_of_team0, uint32_t team_meta_stride, const SplitLane& split,
-                                                  uint32_t zeros, const void* head_value, int64_t key_stride,
-                                                  int64_t row_stride, uint2 go_lo, uint2 go_hi) {
+__device__ __forceinline__ MmaDots mma_point_dots(uint32_t meta_of_team0, uint32_t team_meta_stride, uint32_t lane_zero,
+                                                  const scalar_t* lane_value, int64_t key_stride, int64_t row_stride,
+                                                  uint4 go) {
   Chunk<16> b[4];
-  load_mma_corners(b, meta_of_team0, team_meta_stride, split, zeros, head_value, static_cast<int>(sizeof(scalar_t)),
-                   key_stride, row_stride);
+  load_mma_corners(b, meta_of_team0, team_meta_stride, lane_zero, lane_value, key_stride, row_stride);
   const int lane = threadIdx.x & 31;
-  const uint32_t a_lo[4] = {go_lo.x, 0u, go_lo.y, 0u}, a_hi[4] = {go_hi.x, 0u, go_hi.y, 0u};
+  const uint32_t a0[4] = {go.x, 0u, go.y, 0u}, a1[4] = {go.z, 0u, go.w, 0u};
   float mine0 = 0.0f, mine1 = 0.0f;
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
     float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    mma_16x8x16<scalar_t>(d, a_lo, b[j].r[0], b[j].r[1]);
-    mma_16x8x16<scalar_t>(d, a_hi, b[j].r[2], b[j].r[3]);
+    mma_16x8x16<scalar_t>(d, a0, b[j].r[0], b[j].r[1]);
+    mma_16x8x16<scalar_t>(d, a1, b[j].r[2], b[j].r[3]);
     if (j == (lane >> 3)) mine0 = d[0], mine1 = d[1];  // columns 2t, 2t + 1 of this team's n-tile
   }
   const float other0 = __shfl_xor_sync(0xffffffffu, mine0, 1), other1 = __shfl_xor_sync(0xffffffffu, mine1, 1);
@@ -514,14 +512,14 @@ __global__ void __launch_bounds__(kMaxThreads, kCtasPerSm)
       const int64_t first_point = row * points + at.level * p.points;  // of this slot's level, in grad_weights
       acc_t go[VEC];  // reloaded per level (an L1/L2 hit): registers stay free of the other queries
       bool finite_row = false;  // MMA: the slot's row is finite, so its window points may join A
-      uint2 raw_lo{}, raw_hi{};   // MMA: the row's two split halves as loaded (the dots' A operand)
+      uint4 go_mma{};  // MMA dots: the row's channels 8t..8t+7 (their A operand)
       if constexpr (kMma) {
         constexpr int kHalf = VEC / 2;
         const scalar_t* go_row = grad_output + row * p.channels;
         const Vec<scalar_t, kHalf> lo = load_vec<scalar_t, kHalf>(go_row + split.lo);
         const Vec<scalar_t, kHalf> hi = load_vec<scalar_t, kHalf>(go_row + split.hi);
-        raw_lo = *reinterpret_cast<const uint2*>(&lo);
-        raw_hi = *reinterpret_cast<const uint2*>(&hi);
+        const uint2 raw_lo = *reinterpret_cast<const uint2*>(&lo), raw_hi = *reinterpret_cast<const uint2*>(&hi);
+        if constexpr (kMmaDots) go_mma = *reinterpret_cast<const uint4*>(go_row + 8 * cl.lane);
         acc_t half[kHalf];
         to_acc(lo, half);
 #pragma unroll
@@ -554,7 +552,10 @@ __global__ void __launch_bounds__(kMaxThreads, kCtasPerSm)
       for (int point = 0; point < p.points; ++point) {
         // A point that misses the level runs through too (its corners read zeros, its gradients
         // are zero): the warp stays converged for the shuffles below.
-        const WindowPoint<coord_t> m = slot_meta[point];
+        // MMA dots read the metadata from shared memory where they use it: held in registers across
+        // the products, it spilled at 96 registers (4 CTAs per SM).
+        const WindowPoint<coord_t> m_copy = kMmaDots ? WindowPoint<coord_t>{} : slot_meta[point];
+        const WindowPoint<coord_t>& m = kMmaDots ? slot_meta[point] : m_copy;
         PointCorners<kChunkBytes> corners;
         if constexpr (kMma) {
           if constexpr (!kMmaDots) corners = load_split_point(m, split, zeros, p.value + head_column, key_stride, row_stride);
@@ -591,9 +592,10 @@ __global__ void __launch_bounds__(kMaxThreads, kCtasPerSm)
           if constexpr (kMma) {
             constexpr int kHalf = VEC / 2;
             acc_t lo[kHalf], hi[kHalf];
-            if constexpr (kMmaDots) {  // from the row's halves as loaded: go[] is not kept live for this rarer path
-              chunk_to_acc<scalar_t, kHalf>(Chunk<8>{{raw_lo.x, raw_lo.y}}, lo);
-              chunk_to_acc<scalar_t, kHalf>(Chunk<8>{{raw_hi.x, raw_hi.y}}, hi);
+            if constexpr (kMmaDots) {  // reloaded (an L1 hit): the row is not kept live for this rarer path
+              const scalar_t* go_row = grad_output + row * p.channels;
+              to_acc(load_vec<scalar_t, kHalf>(go_row + split.lo), lo);
+              to_acc(load_vec<scalar_t, kHalf>(go_row + split.hi), hi);
             } else {
 #pragma unroll
               for (int k = 0; k < kHalf; ++k) lo[k] = go[k], hi[k] = go[kHalf + k];
@@ -618,9 +620,9 @@ __global__ void __launch_bounds__(kMaxThreads, kCtasPerSm)
           if constexpr (kMmaDots) {
             const uint32_t meta_of_team0 = smem_address(meta) + static_cast<uint32_t>(sizeof(WindowPoint<coord_t>)) *
                                            static_cast<uint32_t>((slot - (cl.team & 7)) * p.points + point);
-            const MmaDots d = mma_point_dots<scalar_t>(meta_of_team0, static_cast<uint32_t>(sizeof(WindowPoint<coord_t>) * p.points),
-                                                       split, zeros, p.value + head_column, key_stride, row_stride, raw_lo,
-                                                       raw_hi);
+            const MmaDots d = mma_point_dots<scalar_t>(
+                meta_of_team0, static_cast<uint32_t>(sizeof(WindowPoint<coord_t>) * p.points), zeros + 16u * cl.lane,
+                p.value + head_column + 8 * cl.lane, key_stride, row_stride, go_mma);
             add_weights();  // after the products: the chunks are dead by then
 #pragma unroll
             for (int c = 0; c < 4; ++c) {
