@@ -296,6 +296,19 @@ struct MmaDots {
   float dot[4];
 };
 
+// Channels 8t..8t+7 of the team's row for lane t, from the split halves its team holds (lane u has
+// 4u..4u+3 and C/2 + 4u..): eight shuffles per point, where keeping the chunk live across the
+// points spilled at 96 registers.
+__device__ __forceinline__ uint4 whole_chunk(uint2 lo, uint2 hi) {
+  const int lane = threadIdx.x & 31, t = lane & 3;
+  const int first = (lane & ~3) + 2 * (t & 1);
+  const uint32_t lo0x = __shfl_sync(0xffffffffu, lo.x, first), lo0y = __shfl_sync(0xffffffffu, lo.y, first);
+  const uint32_t lo1x = __shfl_sync(0xffffffffu, lo.x, first + 1), lo1y = __shfl_sync(0xffffffffu, lo.y, first + 1);
+  const uint32_t hi0x = __shfl_sync(0xffffffffu, hi.x, first), hi0y = __shfl_sync(0xffffffffu, hi.y, first);
+  const uint32_t hi1x = __shfl_sync(0xffffffffu, hi.x, first + 1), hi1y = __shfl_sync(0xffffffffu, hi.y, first + 1);
+  return t < 2 ? make_uint4(lo0x, lo0y, lo1x, lo1y) : make_uint4(hi0x, hi0y, hi1x, hi1y);
+}
+
 constexpr uint32_t kMetaKeyOffset = offsetof(WindowPoint<float>, key);  // `valid` follows `key`
 static_assert(offsetof(WindowPoint<float>, valid) == kMetaKeyOffset + 4, "key and valid are read as one pair");
 
@@ -512,14 +525,14 @@ __global__ void __launch_bounds__(kMaxThreads, kCtasPerSm)
       const int64_t first_point = row * points + at.level * p.points;  // of this slot's level, in grad_weights
       acc_t go[VEC];  // reloaded per level (an L1/L2 hit): registers stay free of the other queries
       bool finite_row = false;  // MMA: the slot's row is finite, so its window points may join A
-      uint4 go_mma{};  // MMA dots: the row's channels 8t..8t+7 (their A operand)
+      uint2 raw_lo{}, raw_hi{};  // MMA: the row's two split halves as loaded
       if constexpr (kMma) {
         constexpr int kHalf = VEC / 2;
         const scalar_t* go_row = grad_output + row * p.channels;
         const Vec<scalar_t, kHalf> lo = load_vec<scalar_t, kHalf>(go_row + split.lo);
         const Vec<scalar_t, kHalf> hi = load_vec<scalar_t, kHalf>(go_row + split.hi);
-        const uint2 raw_lo = *reinterpret_cast<const uint2*>(&lo), raw_hi = *reinterpret_cast<const uint2*>(&hi);
-        if constexpr (kMmaDots) go_mma = *reinterpret_cast<const uint4*>(go_row + 8 * cl.lane);
+        raw_lo = *reinterpret_cast<const uint2*>(&lo);
+        raw_hi = *reinterpret_cast<const uint2*>(&hi);
         acc_t half[kHalf];
         to_acc(lo, half);
 #pragma unroll
@@ -552,10 +565,7 @@ __global__ void __launch_bounds__(kMaxThreads, kCtasPerSm)
       for (int point = 0; point < p.points; ++point) {
         // A point that misses the level runs through too (its corners read zeros, its gradients
         // are zero): the warp stays converged for the shuffles below.
-        // MMA dots read the metadata from shared memory where they use it: held in registers across
-        // the products, it spilled at 96 registers (4 CTAs per SM).
-        const WindowPoint<coord_t> m_copy = kMmaDots ? WindowPoint<coord_t>{} : slot_meta[point];
-        const WindowPoint<coord_t>& m = kMmaDots ? slot_meta[point] : m_copy;
+        const WindowPoint<coord_t> m = slot_meta[point];
         PointCorners<kChunkBytes> corners;
         if constexpr (kMma) {
           if constexpr (!kMmaDots) corners = load_split_point(m, split, zeros, p.value + head_column, key_stride, row_stride);
@@ -592,10 +602,9 @@ __global__ void __launch_bounds__(kMaxThreads, kCtasPerSm)
           if constexpr (kMma) {
             constexpr int kHalf = VEC / 2;
             acc_t lo[kHalf], hi[kHalf];
-            if constexpr (kMmaDots) {  // reloaded (an L1 hit): the row is not kept live for this rarer path
-              const scalar_t* go_row = grad_output + row * p.channels;
-              to_acc(load_vec<scalar_t, kHalf>(go_row + split.lo), lo);
-              to_acc(load_vec<scalar_t, kHalf>(go_row + split.hi), hi);
+            if constexpr (kMmaDots) {  // from the row's halves as loaded: go[] is not kept live for this rarer path
+              chunk_to_acc<scalar_t, kHalf>(Chunk<8>{{raw_lo.x, raw_lo.y}}, lo);
+              chunk_to_acc<scalar_t, kHalf>(Chunk<8>{{raw_hi.x, raw_hi.y}}, hi);
             } else {
 #pragma unroll
               for (int k = 0; k < kHalf; ++k) lo[k] = go[k], hi[k] = go[kHalf + k];
@@ -622,7 +631,7 @@ __global__ void __launch_bounds__(kMaxThreads, kCtasPerSm)
                                            static_cast<uint32_t>((slot - (cl.team & 7)) * p.points + point);
             const MmaDots d = mma_point_dots<scalar_t>(
                 meta_of_team0, static_cast<uint32_t>(sizeof(WindowPoint<coord_t>) * p.points), zeros + 16u * cl.lane,
-                p.value + head_column + 8 * cl.lane, key_stride, row_stride, go_mma);
+                p.value + head_column + 8 * cl.lane, key_stride, row_stride, whole_chunk(raw_lo, raw_hi));
             add_weights();  // after the products: the chunks are dead by then
 #pragma unroll
             for (int c = 0; c < 4; ++c) {
