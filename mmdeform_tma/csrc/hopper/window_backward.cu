@@ -398,7 +398,8 @@ __device__ __forceinline__ void reduce_window_mma(uint32_t smem_base, const Laun
     const int64_t index = key * key_stride + head_column + 4 * ((lane & 3) >> 1);
     // kGroups x 16 channels at a time: each A block (hi, lo) is loaded once for kGroups 16-channel
     // groups of G (ncu, H100, 2026-11-24: ldmatrix was 15 % of the L1's wavefronts with one group
-    // per load). Two groups need 8 more accumulator registers than the 96 of 4 CTAs per SM allow.
+    // per load). Two groups need 8 more accumulator registers: at 4 CTAs per SM (96 registers) only
+    // the kernels with MMA dots, whose point phase needs fewer, fit them.
     for (int c0 = 0; c0 < channels; c0 += 16 * kGroups) {
       const int groups = kGroups == 1 ? 1 : min(kGroups, (channels - c0) / 16);  // channels % 16 == 0 (mma_built)
       float d[2 * kGroups][4] = {};
@@ -673,7 +674,7 @@ __global__ void __launch_bounds__(kMaxThreads, kCtasPerSm)
       if (w.rows > 0) {
         consumer_barrier(s.consumer_warps * 32);  // A and the staged rows are complete
         mbarrier_arrive(ring.empty(at.stage));
-        reduce_window_mma<scalar_t, kCtasPerSm < 4 ? 2 : 1>(smem_base, s, w, sink, key_stride, static_cast<int64_t>(t.head) * p.channels,
+        reduce_window_mma<scalar_t, (kCtasPerSm < 4 || kMmaDots) ? 2 : 1>(smem_base, s, w, sink, key_stride, static_cast<int64_t>(t.head) * p.channels,
                                     p.channels, s.inverse_weight_scale);
         consumer_barrier(s.consumer_warps * 32);  // every warp has read and zeroed its blocks of A
       } else {
