@@ -11,6 +11,7 @@ import statistics
 import subprocess
 import sys
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -223,12 +224,14 @@ def time_calls(
 
     runners, mode = calls, "cuda events, eager"
     if use_graphs:
+        prime_autograd(device)
         for attempt in range(2):  # a first capture can trip over one-time initialisation: retry once
             try:
                 runners = [capture(call) for call in calls]
                 mode = "cuda events, graph replay"
                 break
             except Exception as exc:  # e.g. a call that synchronises with the host cannot be captured
+                traceback.print_exc(file=sys.stderr)
                 torch.cuda.synchronize()
                 runners, mode = calls, f"cuda events, eager (graph capture failed: {type(exc).__name__}: {str(exc)[:120]})"
         if runners is calls:
@@ -255,6 +258,24 @@ def warm_up_gpu(device: torch.device, seconds: float = 1.0) -> None:
         for _ in range(10):
             a = (a @ a).tanh_()
         torch.cuda.synchronize(device)
+
+
+_autograd_primed: set = set()
+
+
+def prime_autograd(device: torch.device) -> None:
+    """One eager backward on `device` before anything is captured. When a process's first backward
+    ran inside `capture`'s warm-up, on a side stream, its captures failed ('operation would make
+    the legacy stream depend on a capturing blocking stream'), retry included, and that row was
+    timed eagerly: 0.156 against 0.057 ms for a decoder backward in graphs (H100, torch 2.11,
+    2026-11-24; docs/perf_notes.md, session 16). autotune.py's first backward is eager (its
+    accuracy check), and its captures never failed."""
+    if device in _autograd_primed:
+        return
+    x = torch.ones(8, device=device, requires_grad=True)
+    torch.autograd.grad((x * 2).sum(), x)
+    torch.cuda.synchronize(device)
+    _autograd_primed.add(device)
 
 
 def capture(call: Callable[[], object]) -> Callable[[], None]:
