@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import gc
 import json
@@ -224,7 +225,6 @@ def time_calls(
 
     runners, mode = calls, "cuda events, eager"
     if use_graphs:
-        prime_autograd(device)
         for attempt in range(2):  # a first capture can trip over one-time initialisation: retry once
             try:
                 runners = [capture(call) for call in calls]
@@ -260,22 +260,25 @@ def warm_up_gpu(device: torch.device, seconds: float = 1.0) -> None:
         torch.cuda.synchronize(device)
 
 
-_autograd_primed: set = set()
-
-
-def prime_autograd(device: torch.device) -> None:
-    """One eager backward on `device` before anything is captured. When a process's first backward
-    ran inside `capture`'s warm-up, on a side stream, its captures failed ('operation would make
-    the legacy stream depend on a capturing blocking stream'), retry included, and that row was
-    timed eagerly: 0.156 against 0.057 ms for a decoder backward in graphs (H100, torch 2.11,
-    2026-11-24; docs/perf_notes.md, session 16). autotune.py's first backward is eager (its
-    accuracy check), and its captures never failed."""
-    if device in _autograd_primed:
+@contextlib.contextmanager
+def side_stream(device: torch.device):
+    """A side stream as the current one while a benchmark makes its inputs and runs, the previous
+    one after. A backward runs on its forward's stream and is joined back to it, so a forward on the
+    legacy default stream makes every captured backward fail ('operation would make the legacy
+    stream depend on a capturing blocking stream'): the first backward row of every operator run
+    since at least session 15 was timed eagerly, 0.156 against 0.057 ms for a decoder backward in
+    graphs (H100, torch 2.11, 2026-11-24; docs/perf_notes.md, item 39). The rows after it captured
+    only because the failed capture had left its own stream current."""
+    if device.type != "cuda":
+        yield
         return
-    x = torch.ones(8, device=device, requires_grad=True)
-    torch.autograd.grad((x * 2).sum(), x)
-    torch.cuda.synchronize(device)
-    _autograd_primed.add(device)
+    previous = torch.cuda.current_stream(device)
+    torch.cuda.set_stream(torch.cuda.Stream(device))
+    try:
+        yield
+    finally:
+        torch.cuda.synchronize(device)
+        torch.cuda.set_stream(previous)
 
 
 def capture(call: Callable[[], object]) -> Callable[[], None]:

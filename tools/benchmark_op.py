@@ -405,6 +405,12 @@ def main(argv=None) -> int:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if args.host_overhead:
         return host_overhead(args, device)
+    with bench_common.side_stream(device):
+        return measure(args, device)
+
+
+def measure(args, device: torch.device) -> int:
+    """The benchmark proper: every row timed, checked and written."""
     on_gpu = device.type == "cuda"
     shapes = [explicit_shape(args)] if explicit_shape(args) else [PRESETS[n] for n in (args.presets or (DEFAULT_GPU_PRESETS if on_gpu else ["tiny"]))]
     dtypes = [DTYPES[d] for d in (args.dtypes or (list(DTYPES) if on_gpu else ["float32"]))]

@@ -287,14 +287,15 @@ def main(argv=None) -> int:
         )
     env = bench_common.environment(device)
     env.update(backends=backends, warmup=args.warmup, iters=args.iters, target_ratio=TARGET_RATIO)
-    if device.type == "cuda":
-        bench_common.warm_up_gpu(device)
     start = time.perf_counter()
     timings: list[Timing] = []
-    for index in bench_common.progress(indices, len(indices), "sweep"):
-        timings += time_case(index, CASES[index], backends, device, args.warmup, args.iters, not args.no_graphs)
+    with bench_common.side_stream(device):
         if device.type == "cuda":
-            torch.cuda.empty_cache()
+            bench_common.warm_up_gpu(device)
+        for index in bench_common.progress(indices, len(indices), "sweep"):
+            timings += time_case(index, CASES[index], backends, device, args.warmup, args.iters, not args.no_graphs)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
     env["elapsed_s"] = time.perf_counter() - start
     summary = write_outputs(args.out, env, timings)
     met = [s for s in summary if s["within_target"]]

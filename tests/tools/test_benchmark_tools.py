@@ -584,3 +584,19 @@ def test_profile_call_restores_the_layout_variable(monkeypatch):
     monkeypatch.delenv(profile_call.LAYOUT_VARIABLE)
     with profile_call.grad_value_layout(None):
         assert profile_call.LAYOUT_VARIABLE not in os.environ
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture needs a CUDA GPU")
+def test_backward_rows_are_timed_in_graphs():
+    """A backward whose forward ran on the legacy default stream cannot be captured; under
+    `side_stream` it can, and the previous stream is current again afterwards."""
+    import bench_common
+
+    device = torch.device("cuda")
+    previous = torch.cuda.current_stream(device)
+    with bench_common.side_stream(device):
+        x = torch.randn(64, device=device, requires_grad=True)
+        y = (x * x).sum()
+        _, mode = bench_common.time_calls(device, [lambda: torch.autograd.grad(y, x, retain_graph=True)], warmup=2, iters=3)
+    assert mode == "cuda events, graph replay"
+    assert torch.cuda.current_stream(device) == previous
