@@ -600,3 +600,13 @@ def test_backward_rows_are_timed_in_graphs():
         _, mode = bench_common.time_calls(device, [lambda: torch.autograd.grad(y, x, retain_graph=True)], warmup=2, iters=3)
     assert mode == "cuda events, graph replay"
     assert torch.cuda.current_stream(device) == previous
+
+
+def test_side_stream_leaves_a_cpu_run_alone():
+    """On the CPU there is no stream to switch: the benchmark body runs as it is."""
+    import bench_common
+
+    ran = []
+    with bench_common.side_stream(torch.device("cpu")):
+        ran.append(True)
+    assert ran == [True]
