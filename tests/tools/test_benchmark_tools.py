@@ -603,7 +603,8 @@ def test_backward_rows_are_timed_in_graphs():
 
 
 def test_side_stream_leaves_a_cpu_run_alone():
-    """On the CPU there is no stream to switch: the benchmark body runs as it is."""
+    """On the CPU there is no stream to switch: the body runs, and nothing touches CUDA (on a machine
+    without a GPU, making a CUDA stream would raise)."""
     import bench_common
 
     ran = []

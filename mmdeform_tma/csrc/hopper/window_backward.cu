@@ -25,8 +25,8 @@
 // times the tile's output-gradient rows (slots x channels), and each warp reduces its cells' sums
 // once, skipping untouched cells. Per point the consumers keep only the dot products (corners via
 // L1) and the location and attention gradients: no reductions for window points. With teams of
-// four lanes (32 channels) the dot products run on the tensor cores too (mma_point_dots). A warp zeroes
-// the block of A it alone read; a second barrier orders that before the next stage's writes.
+// four lanes (32 channels) the dot products run on the tensor cores too (mma_point_dots). A warp
+// zeroes the block of A it alone read; a second barrier orders that before the next stage's writes.
 // Rows of non-finite output gradients, weights beyond |1| and points outside the window take the
 // direct path, so A and the staged rows stay finite and a NaN reaches only the cells it touches.
 #include <cstddef>
@@ -277,21 +277,7 @@ __device__ __forceinline__ PointCorners<16> load_split_point(const WindowPoint<f
   return c;
 }
 
-// A point's four dot products <grad_output row, corner row> on the tensor cores, for a warp of
-// eight teams of four lanes (32 channels), each team at its own point. As a product D = G x V^T,
-// the rows of G are the eight teams' output-gradient rows (rows 8-15 zero) and the columns of V^T
-// the 32 corners, eight per n-tile: n-tile j holds the corners of teams 2j and 2j + 1. Only D's
-// entries where a corner meets its own team's row are wanted (1/16 of the product): the tensor
-// cores do in 8 instructions per warp what 64 conversions and FMAs per lane, and the team sums
-// after them, did.
-// Channels are k, and k's order inside a product is free: lane (g, t) gives k = 2t, 2t + 1, 2t + 8,
-// 2t + 9 of k-tile 0 the channels 8t..8t+3 and of k-tile 1 the channels 8t+4..8t+7, in both
-// operands. So the A fragment is one 16-byte chunk of the lane's own output-gradient row, and its B
-// fragment one 16-byte chunk of a corner, the corner (g mod 4) of team 2j + g / 4's point, whose
-// (key, valid) it reads from that point's metadata. Whole 16-byte chunks, not the split halves
-// the direct path reduces: a warp's load then touches one line per 64-byte corner row, not two.
-// Returns, in the lane with t = 2 (g mod 2), its team's four dots (the other lanes hold the
-// partner team's or nothing).
+// A team's four dot products, held by one lane of the team (mma_point_dots).
 struct MmaDots {
   float dot[4];
 };
@@ -331,6 +317,21 @@ __device__ __forceinline__ void load_mma_corners(Chunk<16> (&b)[4], uint32_t met
   }
 }
 
+// A point's four dot products <grad_output row, corner row> on the tensor cores, for a warp of
+// eight teams of four lanes (32 channels), each team at its own point. As a product D = G x V^T,
+// the rows of G are the eight teams' output-gradient rows (rows 8-15 zero) and the columns of V^T
+// the 32 corners, eight per n-tile: n-tile j holds the corners of teams 2j and 2j + 1. Only D's
+// entries where a corner meets its own team's row are wanted (1/16 of the product): the tensor
+// cores do in 8 instructions per warp what 64 conversions and FMAs per lane, and the team sums
+// after them, did.
+// Channels are k, and k's order inside a product is free: lane (g, t) gives k = 2t, 2t + 1, 2t + 8,
+// 2t + 9 of k-tile 0 the channels 8t..8t+3 and of k-tile 1 the channels 8t+4..8t+7, in both
+// operands. So the A fragment is one 16-byte chunk of the lane's own output-gradient row, and its B
+// fragment one 16-byte chunk of a corner, the corner (g mod 4) of team 2j + g / 4's point, whose
+// (key, valid) it reads from that point's metadata. Whole 16-byte chunks, not the split halves
+// the direct path reduces: a warp's load then touches one line per 64-byte corner row, not two.
+// Returns, in the lane with t = 2 (g mod 2), its team's four dots (the other lanes hold the
+// partner team's or nothing).
 template <typename scalar_t>
 __device__ __forceinline__ MmaDots mma_point_dots(uint32_t meta_of_team0, uint32_t team_meta_stride, uint32_t lane_zero,
                                                   const scalar_t* lane_value, int64_t key_stride, int64_t row_stride,
@@ -626,21 +627,19 @@ __global__ void __launch_bounds__(kMaxThreads, kCtasPerSm)
         };
         acc_t dot[4];
         bool whole_dots = false;  // dot[] holds whole dot products, not this lane's share of them
-        if constexpr (kMma) {
-          if constexpr (kMmaDots) {
-            const uint32_t meta_of_team0 = smem_address(meta) + static_cast<uint32_t>(sizeof(WindowPoint<coord_t>)) *
-                                           static_cast<uint32_t>((slot - (cl.team & 7)) * p.points + point);
-            const MmaDots d = mma_point_dots<scalar_t>(
-                meta_of_team0, static_cast<uint32_t>(sizeof(WindowPoint<coord_t>) * p.points), zeros + 16u * cl.lane,
-                p.value + head_column + 8 * cl.lane, key_stride, row_stride, whole_chunk(raw_lo, raw_hi));
-            add_weights();  // after the products: the chunks are dead by then
+        if constexpr (kMmaDots) {
+          const uint32_t meta_of_team0 = smem_address(meta) + static_cast<uint32_t>(sizeof(WindowPoint<coord_t>)) *
+                                         static_cast<uint32_t>((slot - (cl.team & 7)) * p.points + point);
+          const MmaDots d = mma_point_dots<scalar_t>(
+              meta_of_team0, static_cast<uint32_t>(sizeof(WindowPoint<coord_t>) * p.points), zeros + 16u * cl.lane,
+              p.value + head_column + 8 * cl.lane, key_stride, row_stride, whole_chunk(raw_lo, raw_hi));
+          add_weights();  // after the products: the chunks are dead by then
 #pragma unroll
-            for (int c = 0; c < 4; ++c) {
-              dot[c] = d.dot[c];
-              add_direct(c);
-            }
-            whole_dots = true;
+          for (int c = 0; c < 4; ++c) {
+            dot[c] = d.dot[c];
+            add_direct(c);
           }
+          whole_dots = true;
         }
         if (!whole_dots) {
           use_corners<scalar_t, VEC>(corners, [&](int c, const acc_t (&v)[VEC]) {
@@ -674,8 +673,8 @@ __global__ void __launch_bounds__(kMaxThreads, kCtasPerSm)
       if (w.rows > 0) {
         consumer_barrier(s.consumer_warps * 32);  // A and the staged rows are complete
         mbarrier_arrive(ring.empty(at.stage));
-        reduce_window_mma<scalar_t, (kCtasPerSm < 4 || kMmaDots) ? 2 : 1>(smem_base, s, w, sink, key_stride, static_cast<int64_t>(t.head) * p.channels,
-                                    p.channels, s.inverse_weight_scale);
+        reduce_window_mma<scalar_t, (kCtasPerSm < 4 || kMmaDots) ? 2 : 1>(
+            smem_base, s, w, sink, key_stride, static_cast<int64_t>(t.head) * p.channels, p.channels, s.inverse_weight_scale);
         consumer_barrier(s.consumer_warps * 32);  // every warp has read and zeroed its blocks of A
       } else {
         mbarrier_arrive(ring.empty(at.stage));
@@ -725,6 +724,7 @@ __global__ void __launch_bounds__(kMaxThreads, kCtasPerSm)
 
 }  // namespace
 
+// Calls f(std::bool_constant<dots>): the run-time choice of the kMmaDots kernels as a constant.
 template <typename F>
 void with_mma_dots(bool dots, F&& f) {
   if (dots) {
