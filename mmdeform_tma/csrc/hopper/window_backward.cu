@@ -672,12 +672,12 @@ __global__ void __launch_bounds__(kMaxThreads, kCtasPerSm)
     if constexpr (kMma) {
       if (w.rows > 0) {
         consumer_barrier(s.consumer_warps * 32);  // A and the staged rows are complete
-        warp_arrive(ring.empty(at.stage), s);
+        mbarrier_arrive(ring.empty(at.stage));
         reduce_window_mma<scalar_t, (kCtasPerSm < 4 || kMmaDots) ? 2 : 1>(
             smem_base, s, w, sink, key_stride, static_cast<int64_t>(t.head) * p.channels, p.channels, s.inverse_weight_scale);
         consumer_barrier(s.consumer_warps * 32);  // every warp has read and zeroed its blocks of A
       } else {
-        warp_arrive(ring.empty(at.stage), s);
+        mbarrier_arrive(ring.empty(at.stage));
       }
       at.advance(p.levels, s.stages);
       continue;
@@ -714,7 +714,7 @@ __global__ void __launch_bounds__(kMaxThreads, kCtasPerSm)
         sink.add(key * key_stride + head_offset, sum);
       }
     }
-    warp_arrive(ring.empty(at.stage), s);
+    mbarrier_arrive(ring.empty(at.stage));
     at.advance(p.levels, s.stages);
   }
 #else

@@ -1,7 +1,5 @@
 #include "window_config.h"
 
-#include <cstdlib>
-
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -121,7 +119,6 @@ LaunchShape shape_for(const ProblemTensors& problem, const Config& config, int c
     while (s.weight_scale > 1.0f && s.weight_scale * static_cast<float>(problem.points) > 32768.0f) s.weight_scale *= 0.5f;
   }
   s.inverse_weight_scale = 1.0f / s.weight_scale;
-  if (const char* e = std::getenv("MMDEFORM_TMA_EXPERIMENT")) s.experiment = std::atoi(e);
   s.total_bytes = s.barrier_offset + round128(2 * s.stages * 8) + 128;  // + alignment slack
   return s;
 }

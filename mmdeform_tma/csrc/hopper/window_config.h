@@ -101,7 +101,6 @@ struct LaunchShape {
   // direct path), so 2^15 / points keeps it finite and its lo part normal down to weights of about
   // points x 2^-18. bf16 has fp32's range: 1. Read from the parameter bank, not a register.
   float weight_scale, inverse_weight_scale;
-  int experiment;  // EXPERIMENT (MMDEFORM_TMA_EXPERIMENT): 1 per-warp arrivals, 2 register zeros
 };
 
 // The geometry `config` gives for this problem (-1: the default heuristic); throws with the reason

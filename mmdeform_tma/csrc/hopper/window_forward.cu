@@ -92,7 +92,7 @@ __global__ void __launch_bounds__(kMaxThreads, min_blocks_per_multiprocessor<sca
         });
       }
     }
-    warp_arrive(ring.empty(at.stage), s);
+    mbarrier_arrive(ring.empty(at.stage));
     if (at.level == p.levels - 1) {
 #pragma unroll
       for (int j = 0; j < kSlots; ++j) {
@@ -222,23 +222,14 @@ __device__ __forceinline__ void produce_lean_stage(const Problem<scalar_t>& p, c
     }
   }
   if (lane == 0) *lean_row_bytes(ring, stage) = static_cast<uint32_t>(g.width) * key_bytes;
-  warp_arrive(ring.full(stage), s);
+  mbarrier_arrive(ring.full(stage));
 }
 
 // A corner chunk: from global memory (through L1) when `bit` of `corners` is set, else from the
 // zero block. Volatile: never moved above the wait that makes the stage visible.
-template <int BIT, bool kRegisterZeros>
+template <int BIT>
 __device__ __forceinline__ Chunk<16> load_corner_or_zero(uint32_t corners, uint32_t zeros, const char* global) {
   Chunk<16> c;
-  if constexpr (kRegisterZeros) {
-    asm volatile(
-        "{\n .reg .pred p;\n .reg .b32 t;\n and.b32 t, %4, %5;\n setp.ne.u32 p, t, 0;\n"
-        " mov.b32 %0, 0;\n mov.b32 %1, 0;\n mov.b32 %2, 0;\n mov.b32 %3, 0;\n"
-        " @p ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%6];\n}"
-        : "=r"(c.r[0]), "=r"(c.r[1]), "=r"(c.r[2]), "=r"(c.r[3])
-        : "r"(corners), "n"(BIT), "l"(global));
-    return c;
-  }
   asm volatile(
       "{\n .reg .pred p;\n .reg .b32 t;\n and.b32 t, %4, %5;\n setp.ne.u32 p, t, 0;\n"
       " @p ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%7];\n"
@@ -258,7 +249,7 @@ constexpr int lean_max_registers() {
   return sizeof(scalar_t) == 8 ? 255 : 80;
 }
 
-template <typename scalar_t, bool kRegisterZeros>
+template <typename scalar_t>
 __global__ void __maxnreg__(lean_max_registers<scalar_t>()) forward_lean_kernel(
     const __grid_constant__ CUtensorMap value_map, const __grid_constant__ Problem<scalar_t> p,
     const __grid_constant__ LaunchShape s, scalar_t* __restrict__ output) {
@@ -316,10 +307,10 @@ __global__ void __maxnreg__(lean_max_registers<scalar_t>()) forward_lean_kernel(
           const CornerWeights<coord_t> w = meta.weights[first + point];
           const uint32_t top = (corners & ~15u) + chunk;
           PointCorners<kChunkBytes> c;
-          c.corner[kTopLeft] = load_corner_or_zero<1, kRegisterZeros>(corners, zeros, values + top);
-          c.corner[kTopRight] = load_corner_or_zero<2, kRegisterZeros>(corners, zeros, values + (top + key_bytes));
-          c.corner[kBottomLeft] = load_corner_or_zero<4, kRegisterZeros>(corners, zeros, values + (top + down));
-          c.corner[kBottomRight] = load_corner_or_zero<8, kRegisterZeros>(corners, zeros, values + (top + down + key_bytes));
+          c.corner[kTopLeft] = load_corner_or_zero<1>(corners, zeros, values + top);
+          c.corner[kTopRight] = load_corner_or_zero<2>(corners, zeros, values + (top + key_bytes));
+          c.corner[kBottomLeft] = load_corner_or_zero<4>(corners, zeros, values + (top + down));
+          c.corner[kBottomRight] = load_corner_or_zero<8>(corners, zeros, values + (top + down + key_bytes));
           use_corners<scalar_t, VEC>(c, [&](int corner, const acc_t (&v)[VEC]) {
             const acc_t weight = static_cast<acc_t>(w.w[corner]);
 #pragma unroll
@@ -333,7 +324,7 @@ __global__ void __maxnreg__(lean_max_registers<scalar_t>()) forward_lean_kernel(
       for (int j = 0; j < kSlots; ++j) {
         rows[j] = last && j < s.slots_per_team ? meta.rows[cl.team + j * cl.teams] : -1;  // read before the release
       }
-      warp_arrive(ring.empty(stage), s);
+      mbarrier_arrive(ring.empty(stage));
       if (++stage == s.stages) {
         stage = 0;
         phase ^= 1u;
@@ -377,11 +368,7 @@ at::Tensor forward(const ProblemTensors& problem, int64_t config) {
     const LaunchShape s = launch_shape(problem, config, kChunkBytes, sizeof(WindowPoint<coord_t>), kSlots, false);
     if (s.window_rows == 0 && lean_fits(problem)) {
       const LaunchShape lean = launch_shape(problem, config, kChunkBytes, lean_meta_size<coord_t>(), kSlots, false);
-      if (lean.experiment & 2) {
-        launch_persistent<scalar_t>(forward_lean_kernel<scalar_t, true>, problem, lean, out);
-      } else {
-        launch_persistent<scalar_t>(forward_lean_kernel<scalar_t, false>, problem, lean, out);
-      }
+      launch_persistent<scalar_t>(forward_lean_kernel<scalar_t>, problem, lean, out);
     } else {
       launch_persistent<scalar_t>(forward_kernel<scalar_t>, problem, s, out);
     }

@@ -179,8 +179,8 @@ __device__ __forceinline__ void init_ring(const Ring<coord_t>& ring, const CUten
     if (smem_address(ring.base) & 127u) __trap();  // TMA destinations would be misaligned
     prefetch_tensor_map(map);
     for (int i = 0; i < s.stages; ++i) {
-      mbarrier_init(ring.full(i), (s.experiment & 1) ? 1 : 32);
-      mbarrier_init(ring.empty(i), s.consumer_warps * ((s.experiment & 1) ? 1 : 32));
+      mbarrier_init(ring.full(i), 32);
+      mbarrier_init(ring.empty(i), s.consumer_warps * 32);
     }
     fence_mbarrier_init();
   }
@@ -304,10 +304,9 @@ __device__ __forceinline__ void produce_stage(
 
   const bool load = s.load_window && w.rows > 0;
   const uint32_t bytes = load ? static_cast<uint32_t>(w.rows * s.window_cols * s.row_bytes) : 0u;
-  if (s.experiment & 1) __syncwarp();
   if (lane == 0) {
     mbarrier_arrive_expect_tx(ring.full(stage), bytes);
-  } else if (!(s.experiment & 1)) {
+  } else {
     mbarrier_arrive(ring.full(stage));
   }
   if (load) {
@@ -317,17 +316,6 @@ __device__ __forceinline__ void produce_stage(
     for (int r = lane; r < w.rows; r += 32) {
       tma_load_2d(ring.window(stage) + r * s.window_cols * s.row_bytes, map, column, w.key0 + r * g.width, ring.full(stage));
     }
-  }
-}
-
-// This warp's arrival on a ring barrier: one elected lane after a warp barrier (which orders the
-// other lanes' shared-memory accesses before it), or every lane.
-__device__ __forceinline__ void warp_arrive(uint64_t* bar, const LaunchShape& s) {
-  if (s.experiment & 1) {
-    __syncwarp();
-    if ((threadIdx.x & 31) == 0) mbarrier_arrive(bar);
-  } else {
-    mbarrier_arrive(bar);
   }
 }
 
