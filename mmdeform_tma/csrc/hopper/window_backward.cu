@@ -300,22 +300,20 @@ static_assert(offsetof(WindowPoint<float>, valid) == kMetaKeyOffset + 4, "key an
 
 // The lane's B chunks: for n-tile j, corner (g mod 4) of the point of team 2j + g / 4, whose
 // metadata lies `team_meta_stride` bytes after team 0's; `lane_value` is the head's channel 8t.
-// Element offsets in 32 bits (the host runs these kernels only for value tensors of fewer than
-// 2^31 elements): fewer registers, which the loads issued one point ahead need. A corner outside
-// the level may wrap; its load does not run.
 template <typename scalar_t>
 __device__ __forceinline__ void load_mma_corners(Chunk<16> (&b)[4], uint32_t meta_of_team0, uint32_t team_meta_stride,
-                                                 uint32_t lane_zero, const scalar_t* lane_value, uint32_t key_stride,
-                                                 uint32_t row_stride) {
+                                                 uint32_t lane_zero, const scalar_t* lane_value, int64_t key_stride,
+                                                 int64_t row_stride) {
   const int lane = threadIdx.x & 31;
   const int corner = (lane >> 2) & 3;
-  const uint32_t corner_offset = ((corner & 1) ? key_stride : 0u) + ((corner & 2) ? row_stride : 0u);
+  const scalar_t* corner_base = lane_value + ((corner & 1) ? key_stride : 0) + ((corner & 2) ? row_stride : 0);
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
     const uint32_t source = meta_of_team0 + static_cast<uint32_t>(2 * j + (lane >> 4)) * team_meta_stride;
     uint32_t key, valid;
     asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(key), "=r"(valid) : "r"(source + kMetaKeyOffset));
-    b[j] = load_corner<16>(!(valid & (1u << corner)), lane_zero, lane_value + (key * key_stride + corner_offset));
+    b[j] = load_corner<16>(!(valid & (1u << corner)), lane_zero,
+                           corner_base + static_cast<int64_t>(static_cast<int>(key)) * key_stride);
   }
 }
 
@@ -334,10 +332,12 @@ __device__ __forceinline__ void load_mma_corners(Chunk<16> (&b)[4], uint32_t met
 // the direct path reduces: a warp's load then touches one line per 64-byte corner row, not two.
 // Returns, in the lane with t = 2 (g mod 2), its team's four dots (the other lanes hold the
 // partner team's or nothing).
-// `b` holds the point's corner chunks as load_mma_corners left them, issued one point ahead (the
-// kernel's point loop), so that their latency overlaps the previous point's work.
 template <typename scalar_t>
-__device__ __forceinline__ MmaDots mma_point_dots(const Chunk<16> (&b)[4], uint4 go) {
+__device__ __forceinline__ MmaDots mma_point_dots(uint32_t meta_of_team0, uint32_t team_meta_stride, uint32_t lane_zero,
+                                                  const scalar_t* lane_value, int64_t key_stride, int64_t row_stride,
+                                                  uint4 go) {
+  Chunk<16> b[4];
+  load_mma_corners(b, meta_of_team0, team_meta_stride, lane_zero, lane_value, key_stride, row_stride);
   const int lane = threadIdx.x & 31;
   const uint32_t a0[4] = {go.x, 0u, go.y, 0u}, a1[4] = {go.z, 0u, go.w, 0u};
   float mine0 = 0.0f, mine1 = 0.0f;
@@ -563,16 +563,6 @@ __global__ void __launch_bounds__(kMaxThreads, kCtasPerSm)
         }
       }
       const WindowPoint<coord_t>* slot_meta = meta + slot * p.points;
-      // MMA dots: the corner chunks of the warp's points, loaded one point ahead of their products.
-      Chunk<16> next_corners[4];
-      const auto load_next_corners = [&](int point) {
-        const uint32_t meta_of_team0 = smem_address(meta) + static_cast<uint32_t>(sizeof(WindowPoint<coord_t>)) *
-                                       static_cast<uint32_t>((slot - (cl.team & 7)) * p.points + point);
-        load_mma_corners(next_corners, meta_of_team0, static_cast<uint32_t>(sizeof(WindowPoint<coord_t>) * p.points),
-                         zeros + 16u * cl.lane, p.value + head_column + 8 * cl.lane, static_cast<uint32_t>(key_stride),
-                         static_cast<uint32_t>(row_stride));
-      };
-      if constexpr (kMmaDots) load_next_corners(0);
 #pragma unroll 1
       for (int point = 0; point < p.points; ++point) {
         // A point that misses the level runs through too (its corners read zeros, its gradients
@@ -638,11 +628,11 @@ __global__ void __launch_bounds__(kMaxThreads, kCtasPerSm)
         acc_t dot[4];
         bool whole_dots = false;  // dot[] holds whole dot products, not this lane's share of them
         if constexpr (kMmaDots) {
-          Chunk<16> b[4];
-#pragma unroll
-          for (int k = 0; k < 4; ++k) b[k] = next_corners[k];
-          if (point + 1 < p.points) load_next_corners(point + 1);
-          const MmaDots d = mma_point_dots<scalar_t>(b, whole_chunk(raw_lo, raw_hi));
+          const uint32_t meta_of_team0 = smem_address(meta) + static_cast<uint32_t>(sizeof(WindowPoint<coord_t>)) *
+                                         static_cast<uint32_t>((slot - (cl.team & 7)) * p.points + point);
+          const MmaDots d = mma_point_dots<scalar_t>(
+              meta_of_team0, static_cast<uint32_t>(sizeof(WindowPoint<coord_t>) * p.points), zeros + 16u * cl.lane,
+              p.value + head_column + 8 * cl.lane, key_stride, row_stride, whole_chunk(raw_lo, raw_hi));
           add_weights();  // after the products: the chunks are dead by then
 #pragma unroll
           for (int c = 0; c < 4; ++c) {

@@ -115,8 +115,9 @@ __global__ void __launch_bounds__(kMaxThreads, min_blocks_per_multiprocessor<sca
 
 // ---------------------------------------------------------------------------------------------
 // Windowless forward: the kernel for configs without a value window (the default `_l1` ones).
-// It keeps none of the window's work: no footprint box, no TMA, no shared-memory corner path but
-// the zero block, and 32-bit offsets (the host checks that they fit). Per stage point i the
+// It keeps none of the window's work: no footprint box, no TMA, no shared-memory corner path
+// (corners outside the level are zeros in registers), and 32-bit offsets (the host checks that
+// they fit). Per stage point i the
 // producer leaves, side by side (a 16-byte and a 4-byte shared load for the consumer):
 //   weights[i]  attention x bilinear weight per corner (Corner order), as the windowed kernel's
 //   corners[i]  byte offset of the top-left corner's head row from value's start, with the
@@ -225,17 +226,19 @@ __device__ __forceinline__ void produce_lean_stage(const Problem<scalar_t>& p, c
   mbarrier_arrive(ring.full(stage));
 }
 
-// A corner chunk: from global memory (through L1) when `bit` of `corners` is set, else from the
-// zero block. Volatile: never moved above the wait that makes the stage visible.
+// A corner chunk from global memory (through L1) when `bit` of `corners` is set, else zeros. The
+// zeros are set in registers, not read from the zero block: ncu (H100, 2026-11-24) had those
+// shared loads at 30 % of the kernel's shared-memory wavefronts. Volatile: never moved above the
+// wait that makes the stage visible.
 template <int BIT>
-__device__ __forceinline__ Chunk<16> load_corner_or_zero(uint32_t corners, uint32_t zeros, const char* global) {
+__device__ __forceinline__ Chunk<16> load_corner_or_zero(uint32_t corners, const char* global) {
   Chunk<16> c;
   asm volatile(
       "{\n .reg .pred p;\n .reg .b32 t;\n and.b32 t, %4, %5;\n setp.ne.u32 p, t, 0;\n"
-      " @p ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%7];\n"
-      " @!p ld.shared.v4.u32 {%0, %1, %2, %3}, [%6];\n}"
+      " mov.b32 %0, 0;\n mov.b32 %1, 0;\n mov.b32 %2, 0;\n mov.b32 %3, 0;\n"
+      " @p ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%6];\n}"
       : "=r"(c.r[0]), "=r"(c.r[1]), "=r"(c.r[2]), "=r"(c.r[3])
-      : "r"(corners), "n"(BIT), "r"(zeros), "l"(global));
+      : "r"(corners), "n"(BIT), "l"(global));
   return c;
 }
 
@@ -282,7 +285,6 @@ __global__ void __maxnreg__(lean_max_registers<scalar_t>()) forward_lean_kernel(
   // One tile per outer iteration: its accumulators live only inside it, and only the ring
   // position crosses tiles (registers).
   const ConsumerLane cl = consumer_lane(s);
-  const uint32_t zeros = smem_address(ring.zeros()) + static_cast<uint32_t>(cl.chunk_byte);
   const char* values = reinterpret_cast<const char*>(p.value);
   const uint32_t chunk = static_cast<uint32_t>(cl.chunk_byte);
   int stage = 0;
@@ -307,10 +309,10 @@ __global__ void __maxnreg__(lean_max_registers<scalar_t>()) forward_lean_kernel(
           const CornerWeights<coord_t> w = meta.weights[first + point];
           const uint32_t top = (corners & ~15u) + chunk;
           PointCorners<kChunkBytes> c;
-          c.corner[kTopLeft] = load_corner_or_zero<1>(corners, zeros, values + top);
-          c.corner[kTopRight] = load_corner_or_zero<2>(corners, zeros, values + (top + key_bytes));
-          c.corner[kBottomLeft] = load_corner_or_zero<4>(corners, zeros, values + (top + down));
-          c.corner[kBottomRight] = load_corner_or_zero<8>(corners, zeros, values + (top + down + key_bytes));
+          c.corner[kTopLeft] = load_corner_or_zero<1>(corners, values + top);
+          c.corner[kTopRight] = load_corner_or_zero<2>(corners, values + (top + key_bytes));
+          c.corner[kBottomLeft] = load_corner_or_zero<4>(corners, values + (top + down));
+          c.corner[kBottomRight] = load_corner_or_zero<8>(corners, values + (top + down + key_bytes));
           use_corners<scalar_t, VEC>(c, [&](int corner, const acc_t (&v)[VEC]) {
             const acc_t weight = static_cast<acc_t>(w.w[corner]);
 #pragma unroll
