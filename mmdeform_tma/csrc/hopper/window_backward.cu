@@ -242,37 +242,33 @@ struct SplitLane {
   int lo, hi;  // the lane's first channel of each half
 };
 
-// A corner's two halves from global memory (through L1), or from the zero block when `valid` is 0;
-// the second half lies `half_bytes` after the first. Volatile: never moved above the wait that
-// makes the stage visible.
-__device__ __forceinline__ Chunk<16> load_split_corner(uint32_t valid, uint32_t zero, const void* global,
-                                                       uint32_t half_bytes) {
+// A corner's two halves from global memory (through L1), or zeros (in registers, as load_corner)
+// when `valid` is 0; the second half lies `half_bytes` after the first. Volatile: never moved
+// above the wait that makes the stage visible.
+__device__ __forceinline__ Chunk<16> load_split_corner(uint32_t valid, const void* global, uint32_t half_bytes) {
   Chunk<16> c;
   asm volatile(
-      "{\n .reg .pred p;\n .reg .b64 g;\n .reg .b32 z;\n setp.ne.u32 p, %4, 0;\n"
-      " cvt.u64.u32 g, %7;\n add.s64 g, g, %5;\n add.u32 z, %6, %7;\n"
+      "{\n .reg .pred p;\n .reg .b64 g;\n setp.ne.u32 p, %4, 0;\n"
+      " cvt.u64.u32 g, %6;\n add.s64 g, g, %5;\n"
+      " mov.b32 %0, 0;\n mov.b32 %1, 0;\n mov.b32 %2, 0;\n mov.b32 %3, 0;\n"
       " @p ld.global.nc.v2.u32 {%0, %1}, [%5];\n"
-      " @p ld.global.nc.v2.u32 {%2, %3}, [g];\n"
-      " @!p ld.shared.v2.u32 {%0, %1}, [%6];\n"
-      " @!p ld.shared.v2.u32 {%2, %3}, [z];\n}"
+      " @p ld.global.nc.v2.u32 {%2, %3}, [g];\n}"
       : "=r"(c.r[0]), "=r"(c.r[1]), "=r"(c.r[2]), "=r"(c.r[3])
-      : "r"(valid), "l"(global), "r"(zero), "r"(half_bytes));
+      : "r"(valid), "l"(global), "r"(half_bytes));
   return c;
 }
 
 // The four corners of a point in the split layout; `value` points at the head's channel 0.
 template <typename scalar_t>
 __device__ __forceinline__ PointCorners<16> load_split_point(const WindowPoint<float>& m, const SplitLane& lane,
-                                                             uint32_t zeros, const scalar_t* value, int64_t key_stride,
-                                                             int64_t row_stride) {
+                                                             const scalar_t* value, int64_t key_stride, int64_t row_stride) {
   const scalar_t* corner = value + static_cast<int64_t>(m.key) * key_stride + lane.lo;
-  const uint32_t zero = zeros + 2u * static_cast<uint32_t>(lane.lo);
   const uint32_t half_bytes = 2u * static_cast<uint32_t>(lane.hi - lane.lo);
   PointCorners<16> c;
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
     const scalar_t* at = corner + ((k & 1) ? key_stride : 0) + ((k & 2) ? row_stride : 0);
-    c.corner[k] = load_split_corner(m.valid & (1u << k), zero, at, half_bytes);
+    c.corner[k] = load_split_corner(m.valid & (1u << k), at, half_bytes);
   }
   return c;
 }
@@ -302,8 +298,7 @@ static_assert(offsetof(WindowPoint<float>, valid) == kMetaKeyOffset + 4, "key an
 // metadata lies `team_meta_stride` bytes after team 0's; `lane_value` is the head's channel 8t.
 template <typename scalar_t>
 __device__ __forceinline__ void load_mma_corners(Chunk<16> (&b)[4], uint32_t meta_of_team0, uint32_t team_meta_stride,
-                                                 uint32_t lane_zero, const scalar_t* lane_value, int64_t key_stride,
-                                                 int64_t row_stride) {
+                                                 const scalar_t* lane_value, int64_t key_stride, int64_t row_stride) {
   const int lane = threadIdx.x & 31;
   const int corner = (lane >> 2) & 3;
   const scalar_t* corner_base = lane_value + ((corner & 1) ? key_stride : 0) + ((corner & 2) ? row_stride : 0);
@@ -312,8 +307,7 @@ __device__ __forceinline__ void load_mma_corners(Chunk<16> (&b)[4], uint32_t met
     const uint32_t source = meta_of_team0 + static_cast<uint32_t>(2 * j + (lane >> 4)) * team_meta_stride;
     uint32_t key, valid;
     asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(key), "=r"(valid) : "r"(source + kMetaKeyOffset));
-    b[j] = load_corner<16>(!(valid & (1u << corner)), lane_zero,
-                           corner_base + static_cast<int64_t>(static_cast<int>(key)) * key_stride);
+    b[j] = load_global_corner<16>(valid & (1u << corner), corner_base + static_cast<int64_t>(static_cast<int>(key)) * key_stride);
   }
 }
 
@@ -333,11 +327,11 @@ __device__ __forceinline__ void load_mma_corners(Chunk<16> (&b)[4], uint32_t met
 // Returns, in the lane with t = 2 (g mod 2), its team's four dots (the other lanes hold the
 // partner team's or nothing).
 template <typename scalar_t>
-__device__ __forceinline__ MmaDots mma_point_dots(uint32_t meta_of_team0, uint32_t team_meta_stride, uint32_t lane_zero,
+__device__ __forceinline__ MmaDots mma_point_dots(uint32_t meta_of_team0, uint32_t team_meta_stride,
                                                   const scalar_t* lane_value, int64_t key_stride, int64_t row_stride,
                                                   uint4 go) {
   Chunk<16> b[4];
-  load_mma_corners(b, meta_of_team0, team_meta_stride, lane_zero, lane_value, key_stride, row_stride);
+  load_mma_corners(b, meta_of_team0, team_meta_stride, lane_value, key_stride, row_stride);
   const int lane = threadIdx.x & 31;
   const uint32_t a0[4] = {go.x, 0u, go.y, 0u}, a1[4] = {go.z, 0u, go.w, 0u};
   float mine0 = 0.0f, mine1 = 0.0f;
@@ -499,7 +493,6 @@ __global__ void __launch_bounds__(kMaxThreads, kCtasPerSm)
   sink.prepare();
   const ConsumerLane cl = consumer_lane(s);
   const int64_t key_stride = static_cast<int64_t>(p.heads) * p.channels;
-  const uint32_t zeros = smem_address(ring.zeros());
   const uint32_t smem_base = smem_address(dynamic_smem);
   const int points = p.levels * p.points;
 
@@ -570,9 +563,9 @@ __global__ void __launch_bounds__(kMaxThreads, kCtasPerSm)
         const WindowPoint<coord_t> m = slot_meta[point];
         PointCorners<kChunkBytes> corners;
         if constexpr (kMma) {
-          if constexpr (!kMmaDots) corners = load_split_point(m, split, zeros, p.value + head_column, key_stride, row_stride);
+          if constexpr (!kMmaDots) corners = load_split_point(m, split, p.value + head_column, key_stride, row_stride);
         } else {
-          corners = load_point<scalar_t, VEC>(m, s.load_window && w.rows > 0, window, zeros, s, cl, lane_value, key_stride,
+          corners = load_point<scalar_t, VEC>(m, s.load_window && w.rows > 0, window, s, cl, lane_value, key_stride,
                                               row_stride);
         }
         // Window points whose contributions are summed per cell below (gather, MMA).
@@ -631,7 +624,7 @@ __global__ void __launch_bounds__(kMaxThreads, kCtasPerSm)
           const uint32_t meta_of_team0 = smem_address(meta) + static_cast<uint32_t>(sizeof(WindowPoint<coord_t>)) *
                                          static_cast<uint32_t>((slot - (cl.team & 7)) * p.points + point);
           const MmaDots d = mma_point_dots<scalar_t>(
-              meta_of_team0, static_cast<uint32_t>(sizeof(WindowPoint<coord_t>) * p.points), zeros + 16u * cl.lane,
+              meta_of_team0, static_cast<uint32_t>(sizeof(WindowPoint<coord_t>) * p.points),
               p.value + head_column + 8 * cl.lane, key_stride, row_stride, whole_chunk(raw_lo, raw_hi));
           add_weights();  // after the products: the chunks are dead by then
 #pragma unroll

@@ -102,9 +102,7 @@ LaunchShape shape_for(const ProblemTensors& problem, const Config& config, int c
     s.touched_offset = s.entries_offset + round128(4 * stage_points * gather_entry_size);
     s.stage_bytes = s.touched_offset + round128((std::min(cells, 4 * stage_points) + 1) * 4);
   }
-  s.zero_offset = s.stages * s.stage_bytes;
-  s.zero_bytes = round128((s.window_cols + 2) * s.row_bytes);
-  s.scratch_offset = s.zero_offset + s.zero_bytes;
+  s.scratch_offset = s.stages * s.stage_bytes;
   s.grad_rows_offset = s.scratch_offset + (s.gather ? round128(cells * 4) : 0);
   s.grad_rows_bytes = s.gather ? round128(s.slots * static_cast<int>(problem.channels) * 4) : 0;
   s.a_offset = s.grad_rows_offset + 2 * s.grad_rows_bytes;

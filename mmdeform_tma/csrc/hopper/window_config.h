@@ -70,7 +70,6 @@ struct LaunchShape {
   int window_bytes;    // of one stage
   int meta_offset;     // within a stage
   int header_offset;   // within a stage
-  int zero_offset, zero_bytes;  // zeros read in place of corners outside the level
   int barrier_offset;
   int total_bytes;
   // Gather (backward configs with `gather`, when the kernel for the dtype is built): per stage, an

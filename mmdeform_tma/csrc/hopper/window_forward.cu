@@ -59,7 +59,6 @@ __global__ void __launch_bounds__(kMaxThreads, min_blocks_per_multiprocessor<sca
 
   const ConsumerLane cl = consumer_lane(s);
   const int64_t key_stride = static_cast<int64_t>(p.heads) * p.channels;
-  const uint32_t zeros = smem_address(ring.zeros());
   acc_t acc[kSlots][VEC];
 #pragma unroll
   for (int j = 0; j < kSlots; ++j)
@@ -84,7 +83,7 @@ __global__ void __launch_bounds__(kMaxThreads, min_blocks_per_multiprocessor<sca
       for (int point = 0; point < p.points; ++point) {  // branch-free: a missing point reads zeros
         const WindowPoint<coord_t> m = slot_meta[point];
         const auto corners =
-            load_point<scalar_t, VEC>(m, w.rows > 0, window, zeros, s, cl, lane_value, key_stride, row_stride);
+            load_point<scalar_t, VEC>(m, w.rows > 0, window, s, cl, lane_value, key_stride, row_stride);
         use_corners<scalar_t, VEC>(corners, [&](int c, const acc_t (&v)[VEC]) {
           const acc_t weight = static_cast<acc_t>(m.weight[c]);
 #pragma unroll
