@@ -521,6 +521,7 @@ __global__ void __launch_bounds__(kMaxThreads, kCtasPerSm)
       acc_t go[VEC];  // reloaded per level (an L1/L2 hit): registers stay free of the other queries
       bool finite_row = false;  // MMA: the slot's row is finite, so its window points may join A
       uint2 raw_lo{}, raw_hi{};  // MMA: the row's two split halves as loaded
+      uint4 go_chunk{};  // MMA dots: the lane's 16-byte chunk of the row (whole_chunk), once per slot and level
       if constexpr (kMma) {
         constexpr int kHalf = VEC / 2;
         const scalar_t* go_row = grad_output + row * p.channels;
@@ -528,6 +529,7 @@ __global__ void __launch_bounds__(kMaxThreads, kCtasPerSm)
         const Vec<scalar_t, kHalf> hi = load_vec<scalar_t, kHalf>(go_row + split.hi);
         raw_lo = *reinterpret_cast<const uint2*>(&lo);
         raw_hi = *reinterpret_cast<const uint2*>(&hi);
+        if constexpr (kMmaDots) go_chunk = whole_chunk(raw_lo, raw_hi);
         acc_t half[kHalf];
         to_acc(lo, half);
 #pragma unroll
@@ -625,7 +627,7 @@ __global__ void __launch_bounds__(kMaxThreads, kCtasPerSm)
                                          static_cast<uint32_t>((slot - (cl.team & 7)) * p.points + point);
           const MmaDots d = mma_point_dots<scalar_t>(
               meta_of_team0, static_cast<uint32_t>(sizeof(WindowPoint<coord_t>) * p.points),
-              p.value + head_column + 8 * cl.lane, key_stride, row_stride, whole_chunk(raw_lo, raw_hi));
+              p.value + head_column + 8 * cl.lane, key_stride, row_stride, go_chunk);
           add_weights();  // after the products: the chunks are dead by then
 #pragma unroll
           for (int c = 0; c < 4; ++c) {
