@@ -225,6 +225,22 @@ __device__ __forceinline__ void produce_lean_stage(const Problem<scalar_t>& p, c
   mbarrier_arrive(ring.full(stage));
 }
 
+// A corner chunk from global memory (through L1) when `bit` of `corners` is set, else zeros. The
+// zeros are set in registers, not read from the zero block: ncu (H100, 2026-11-24) had those
+// shared loads at 30 % of the kernel's shared-memory wavefronts. Volatile: never moved above the
+// wait that makes the stage visible.
+template <int BIT>
+__device__ __forceinline__ Chunk<16> load_corner_or_zero(uint32_t corners, const char* global) {
+  Chunk<16> c;
+  asm volatile(
+      "{\n .reg .pred p;\n .reg .b32 t;\n and.b32 t, %4, %5;\n setp.ne.u32 p, t, 0;\n"
+      " mov.b32 %0, 0;\n mov.b32 %1, 0;\n mov.b32 %2, 0;\n mov.b32 %3, 0;\n"
+      " @p ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%6];\n}"
+      : "=r"(c.r[0]), "=r"(c.r[1]), "=r"(c.r[2]), "=r"(c.r[3])
+      : "r"(corners), "n"(BIT), "l"(global));
+  return c;
+}
+
 #endif  // MMDEFORM_TMA_HOPPER_DEVICE
 
 // 80 registers: 5 CTAs of 5 warps per SM by the register file (25 x 32 x 80 <= 65536), against 3
@@ -292,10 +308,10 @@ __global__ void __maxnreg__(lean_max_registers<scalar_t>()) forward_lean_kernel(
           const CornerWeights<coord_t> w = meta.weights[first + point];
           const uint32_t top = (corners & ~15u) + chunk;
           PointCorners<kChunkBytes> c;
-          c.corner[kTopLeft] = load_global_corner<16>(corners & 1u, values + top);
-          c.corner[kTopRight] = load_global_corner<16>(corners & 2u, values + (top + key_bytes));
-          c.corner[kBottomLeft] = load_global_corner<16>(corners & 4u, values + (top + down));
-          c.corner[kBottomRight] = load_global_corner<16>(corners & 8u, values + (top + down + key_bytes));
+          c.corner[kTopLeft] = load_corner_or_zero<1>(corners, values + top);
+          c.corner[kTopRight] = load_corner_or_zero<2>(corners, values + (top + key_bytes));
+          c.corner[kBottomLeft] = load_corner_or_zero<4>(corners, values + (top + down));
+          c.corner[kBottomRight] = load_corner_or_zero<8>(corners, values + (top + down + key_bytes));
           use_corners<scalar_t, VEC>(c, [&](int corner, const acc_t (&v)[VEC]) {
             const acc_t weight = static_cast<acc_t>(w.w[corner]);
 #pragma unroll
