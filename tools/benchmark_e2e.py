@@ -8,6 +8,8 @@
         --compile-scope layers network                              # four fast variants
     python tools/benchmark_e2e.py --backends stock --fast-backends auto --compile-shapes automatic static
                                                                     # automatic dynamic shapes against static
+    python tools/benchmark_e2e.py --backends stock --fast-backends auto --fast-targets batched mmdet
+                                                                    # batched head targets against mmdet's
     python tools/benchmark_e2e.py --backends stock auto --fast-backends --precisions amp-fp16 --paired 10 --iters 10
                                                                     # default path against stock, side by side
 
@@ -29,7 +31,7 @@ the host time blocked in them (waiting for the GPU), scalar reads (aten::_local_
 the kernel time, all per iteration. Against the un-profiled wall time: 'GPU/wall' below
 BOUND_THRESHOLD means the GPU idles while the host works, i.e. the run is host-bound. The same
 trace splits the host's iteration into phases (data preprocessor, backbone and neck, transformer,
-head and loss with the assigner inside it, backward, optimizer step): each phase's host time,
+head and loss with the targets and the assigner inside it, backward, optimizer step): each phase's host time,
 launches, synchronisations, time waiting in them and scalar reads, so a host-bound run shows
 where the host goes, and whether it works or waits there.
 """
@@ -65,7 +67,7 @@ MSDA_KERNELS = re.compile(r"mmdeform_tma|portable::|tma_kernel|tma_ws_kernel|tma
 REFERENCE_MSDA_KERNELS = re.compile(MSDA_KERNELS.pattern + "|grid_sampler")
 STEP_RANGE = "benchmark_e2e::train_step"
 PHASE_PREFIX = "benchmark_e2e::phase::"  # the record_function ranges of phase_targets()
-NESTED_PHASES = ("assigner",)  # inside 'head + loss': not added again to the iteration's sum
+NESTED_PHASES = ("targets", "assigner")  # inside 'head + loss': not added again to the iteration's sum
 LAUNCH_PREFIXES = ("cudaLaunch", "cuLaunch", "cudaGraphLaunch")
 GRAPH_LAUNCH = "cudaGraphLaunch"  # CUDA-graph replays (reduce-overhead), counted among the launches too
 HOST_SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
@@ -93,7 +95,9 @@ def build_model(config_path: str, backend: str, device: torch.device, seed: int,
     if fast is not None:
         from mmdeform_tma.integrations import fast_training
 
-        fast_training.fast_training_config(cfg, compile_mode=fast["mode"], compile_scope=fast["scope"])
+        fast_training.fast_training_config(
+            cfg, compile_mode=fast["mode"], compile_scope=fast["scope"], batched_targets=fast.get("batched_targets", True)
+        )
     model_cfg = copy.deepcopy(cfg.model)
     model_cfg.backbone.init_cfg = None  # offline, and the same random init for every backend
     torch.manual_seed(seed)
@@ -104,9 +108,7 @@ def build_model(config_path: str, backend: str, device: torch.device, seed: int,
             module.backend = None if backend == "stock" else backend
     model = model.to(device)
     if fast is not None:
-        fast_training.compile_fast_path_modules(model, **fast)
-        fast_training.host_shaped_encoder_reference_points(model)
-        fast_training.guard_two_stage_selection(model)
+        fast_training.apply_fast_path(model, **fast)
     return model, cfg
 
 
@@ -238,6 +240,8 @@ def phase_targets(model, optim_wrapper) -> list[tuple[str, object, str]]:
         ("backbone + neck", model, "extract_feat"),
         ("transformer", model, "forward_transformer"),
         ("head + loss", head, "loss"),
+        ("targets", head, "get_targets"),  # mmdet's or the fast path's batched (the assigner inside)
+        ("targets", head, "get_dn_targets"),  # DINO's denoising targets
         ("assigner", getattr(head, "assigner", None), "assign"),
         ("backward", optim_wrapper, "backward"),
         ("optimizer step", optim_wrapper, "step"),
@@ -316,6 +320,7 @@ class Result:
     compile_mode: str | None = None  # the fast path's torch.compile mode, scope and shapes
     compile_scope: str | None = None
     compile_shapes: str | None = None  # 'automatic' (torch's automatic dynamic shapes) or 'static'
+    targets: str | None = None  # the head's targets: 'batched' (the fast path's) or 'mmdet' (per image)
     train_ms: dict = field(default_factory=dict)
     infer_ms: dict = field(default_factory=dict)
     images_per_s: float | None = None
@@ -349,28 +354,34 @@ class Result:
     def label(self) -> str:
         if not self.fast:
             return self.backend
-        return fast_label(self.backend, self.compile_mode, self.compile_scope, self.compile_shapes)
+        return fast_label(self.backend, self.compile_mode, self.compile_scope, self.compile_shapes, self.targets)
 
 
 COMPILE_SHAPES = ("automatic", "static")  # torch.compile(dynamic=None) or dynamic=False
+TARGETS = ("batched", "mmdet")  # the fast path's batched head targets, or mmdet's per image
 
 
-def fast_label(backend: str, mode: str | None, scope: str | None, shapes: str | None = None) -> str:
-    """'auto+fast' on the fast path's defaults, else with the mode, scope and shapes that differ."""
+def fast_label(backend: str, mode: str | None, scope: str | None, shapes: str | None = None, targets: str | None = None) -> str:
+    """'auto+fast' on the fast path's defaults, else with the mode, scope, shapes and targets that differ."""
     from mmdeform_tma.integrations.fast_training import DEFAULT_COMPILE_MODE, DEFAULT_COMPILE_SCOPE
 
-    defaults = ((mode, DEFAULT_COMPILE_MODE), (scope, DEFAULT_COMPILE_SCOPE), (shapes, COMPILE_SHAPES[0]))
-    differ = [v for v, default in defaults if v and v != default]
+    defaults = ((mode, DEFAULT_COMPILE_MODE), (scope, DEFAULT_COMPILE_SCOPE), (shapes, COMPILE_SHAPES[0]), (targets, TARGETS[0]))
+    differ = [f"{v}-targets" if v in TARGETS else v for v, default in defaults if v and v != default]
     return f"{backend}+fast" + (f"[{','.join(differ)}]" if differ else "")
 
 
 def run_one(
-    args, backend: str, precision: str, device: torch.device, fast: tuple[str, str, str] | None = None, repeat: int = 0
+    args, backend: str, precision: str, device: torch.device, fast: tuple[str, str, str, str] | None = None, repeat: int = 0
 ) -> Result:
-    """One variant: `fast` is None (eager) or the fast path's (compile mode, scope, shapes)."""
-    mode, scope, shapes = fast or (None, None, None)
-    result = Result(backend, precision, fast is not None, repeat, mode, scope, shapes)
-    fast_options = dict(mode=mode, scope=scope, **({"backend": args.compile_backend} if args.compile_backend else {}))
+    """One variant: `fast` is None (eager) or the fast path's (compile mode, scope, shapes, targets)."""
+    mode, scope, shapes, targets = fast or (None, None, None, None)
+    result = Result(backend, precision, fast is not None, repeat, mode, scope, shapes, targets)
+    fast_options = dict(
+        mode=mode,
+        scope=scope,
+        batched_targets=targets != "mmdet",
+        **({"backend": args.compile_backend} if args.compile_backend else {}),
+    )
     if shapes == "static":
         fast_options["dynamic"] = False
     if fast:
@@ -559,6 +570,10 @@ def parse_args(argv=None):
         "--compile-shapes", nargs="+", choices=COMPILE_SHAPES, default=[COMPILE_SHAPES[0]],
         help="automatic: torch's automatic dynamic shapes (the fast path's); static: dynamic=False (one row each)",
     )
+    p.add_argument(
+        "--fast-targets", nargs="+", choices=TARGETS, default=[TARGETS[0]],
+        help="batched: the fast path's head targets, all images at once; mmdet: mmdet's, per image (one row each)",
+    )
     p.add_argument("--compile-backend", default=None, help=argparse.SUPPRESS)  # tests trace with aot_eager on the CPU
     p.add_argument("--precisions", nargs="*", choices=list(PRECISIONS), default=None)
     p.add_argument("--batch", type=int, default=None)
@@ -623,7 +638,7 @@ def main(argv=None) -> int:
     env.update(
         config=args.config, batch=args.batch, image_size=",".join(f"{h}x{w}" for h, w in args.image_sizes),
         compile_mode=args.compile_mode, compile_scope=args.compile_scope, compile_shapes=args.compile_shapes,
-        repeats=args.repeats, paired_rounds=args.paired, fast_rows_gc_frozen=args.gc_freeze,
+        fast_targets=args.fast_targets, repeats=args.repeats, paired_rounds=args.paired, fast_rows_gc_frozen=args.gc_freeze,
     )
     if args.paired:
         results = []
@@ -642,7 +657,9 @@ def main(argv=None) -> int:
         print(f"\nwrote {args.out}.json, {args.out}.md, {args.out}.png  ({env['device']}, commit {env['commit']})")
         return 0
     results: list[Result] = []
-    fast_options = [(m, s, d) for m in args.compile_mode for s in args.compile_scope for d in args.compile_shapes]
+    fast_options = [
+        (m, s, d, t) for m in args.compile_mode for s in args.compile_scope for d in args.compile_shapes for t in args.fast_targets
+    ]
     variants = [(b, None) for b in backends] + [(b, f) for b in args.fast_backends for f in fast_options]
     # round-robin: each round runs every variant once, so drift of the machine hits all alike
     jobs = [(r, b, f, p) for r in range(args.repeats) for b, f in variants for p in args.precisions]
@@ -885,7 +902,9 @@ def phase_section(results: list[Result]) -> list[str]:
         "Host milliseconds per training iteration in each phase, with the kernel launches and host "
         "synchronisations issued inside it and the milliseconds the host waited in those synchronisations "
         "for the GPU ('wait'; the rest of a phase's time is host work), from the profiled iterations (the profiler slows the host, so "
-        "these times exceed the un-profiled ones; the shares hold). 'assigner' is part of 'head + loss'; "
+        "these times exceed the un-profiled ones; the shares hold). 'targets' (the head's matching and "
+        "training targets, DINO's denoising ones too) is part of 'head + loss', and 'assigner' (mmdet's "
+        "per-image matching; the batched targets call none) part of 'targets'; "
         "'other' is the rest of the step (mmdet's train_step around the phases).",
         "",
         bench_common.markdown_table(header, rows),

@@ -33,7 +33,9 @@ def test_fast_config_adds_compile_hook_fused_optimizer_and_buckets():
     assert "mmdeform_tma.integrations.fast_training" in cfg.custom_imports["imports"]
     assert "mmdeform_tma" in cfg.custom_imports["imports"]
     assert [h for h in cfg.custom_hooks if h["type"] == "FastPathCompileHook"] == [
-        dict(type="FastPathCompileHook", mode="reduce-overhead", scope="network", gc_freeze_after=20)
+        dict(
+            type="FastPathCompileHook", mode="reduce-overhead", scope="network", gc_freeze_after=20, batched_targets=True
+        )
     ]
     assert cfg.optim_wrapper.optimizer.type == "AdamW" and cfg.optim_wrapper.optimizer.fused is True
     assert cfg.optim_wrapper.constructor == "MergedParamGroupsConstructor"
@@ -443,7 +445,7 @@ def test_train_tool_fast_options():
     args = train.parse_args([DETR, "--fast", "--compile-mode", "reduce-overhead", "--compile-scope", "network", "--bucket-step", "256"])
     cfg = train.build_config(args)
     assert cfg.custom_hooks[-1] == dict(
-        type="FastPathCompileHook", mode="reduce-overhead", scope="network", gc_freeze_after=20
+        type="FastPathCompileHook", mode="reduce-overhead", scope="network", gc_freeze_after=20, batched_targets=True
     )
     assert cfg.model.data_preprocessor.batch_augments[-1] == dict(type="BatchBucketPad", step=256)
     plain = train.build_config(train.parse_args([DETR]))
@@ -465,6 +467,18 @@ def test_train_tool_gc_freeze_option():
     for argv in (["--gc-freeze-after", "5"], ["--fast", "--gc-freeze-after", "-1"]):
         with pytest.raises(SystemExit):
             train.build_config(train.parse_args([DETR, *argv]))
+
+
+def test_train_tool_mmdet_targets_option():
+    import train
+
+    def hook(argv):
+        return train.build_config(train.parse_args([DETR, *argv])).custom_hooks[-1]
+
+    assert hook(["--fast"])["batched_targets"] is True
+    assert hook(["--fast", "--mmdet-targets"])["batched_targets"] is False
+    with pytest.raises(SystemExit):
+        train.build_config(train.parse_args([DETR, "--mmdet-targets"]))
 
 
 @pytest.fixture

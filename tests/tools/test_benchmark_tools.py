@@ -182,6 +182,31 @@ def test_benchmark_e2e_static_shapes_rows_compile_with_dynamic_false(tmp_path, m
     ]
 
 
+def test_benchmark_e2e_targets_rows_batch_the_head_s_targets_or_not(tmp_path, monkeypatch):
+    pytest.importorskip("mmdet")
+    import benchmark_e2e
+
+    seen = []
+
+    def build_model(config, backend, device, seed, fast=None):
+        seen.append(fast["batched_targets"])
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(benchmark_e2e, "build_model", build_model)
+    argv = [
+        "--device", "cpu", "--backends", "--fast-backends", "pytorch", "--compile-backend", "aot_eager",
+        "--fast-targets", "batched", "mmdet", "--iters", "1", "--out", str(tmp_path / "e2e"),
+    ]
+    assert benchmark_e2e.main(argv) == 0
+    assert seen == [True, False]
+    results = json.loads((tmp_path / "e2e.json").read_text())["results"]
+    assert [r["targets"] for r in results] == ["batched", "mmdet"]
+    assert benchmark_e2e.fast_label("auto", "reduce-overhead", "network+decoder", "automatic", "mmdet") == (
+        "auto+fast[mmdet-targets]"
+    )
+    assert benchmark_e2e.fast_label("auto", "reduce-overhead", "network+decoder", "automatic", "batched") == "auto+fast"
+
+
 def test_benchmark_e2e_paired_rounds_hold_every_model_and_rotate(tmp_path):
     pytest.importorskip("mmdet")
     import benchmark_e2e
