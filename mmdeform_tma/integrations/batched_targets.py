@@ -153,7 +153,7 @@ def hungarian_matches(assigner, scores, pred_xyxy, pred_factors, gt_labels, gt_x
             assigner,
             scores.flatten(0, 1)[rows],
             pred_xyxy.flatten(0, 1)[rows],
-            pred_factors.repeat_interleave(num_queries, 0)[rows],
+            pred_factors[:, None].expand(-1, num_queries, -1).flatten(0, 1)[rows],
             gt_labels[first_box:end_box],
             gt_xyxy[first_box:end_box],
             gt_factors[first_box:end_box],
