@@ -201,7 +201,7 @@ def batched_get_targets(
     label_weights = gt_xyxy.new_ones(total)
     bbox_targets = gt_xyxy.new_zeros((total, 4))
     bbox_weights = gt_xyxy.new_zeros((total, 4))
-    bbox_weights[pos_rows] = 1.0
+    bbox_weights.index_fill_(0, pos_rows, 1.0)  # `[rows] = 1.0` would copy the 1.0 over, a host wait
     bbox_targets[pos_rows] = bbox_xyxy_to_cxcywh(gt_xyxy[pos_cols] / gt_pred_factors[pos_cols])
     num_pos = len(rows)
     return (
@@ -235,7 +235,7 @@ def batched_get_dn_targets(head, batch_gt_instances, batch_img_metas, dn_meta) -
     label_weights = gt_xyxy.new_ones(total)
     bbox_targets = torch.zeros(total, 4, device=device)  # mmdet's: the default dtype
     bbox_weights = torch.zeros(total, 4, device=device)
-    bbox_weights[pos_rows] = 1.0
+    bbox_weights.index_fill_(0, pos_rows, 1.0)  # `[rows] = 1.0` would copy the 1.0 over, a host wait
     box_targets = bbox_xyxy_to_cxcywh(gt_xyxy / gt_factors.to(gt_xyxy.dtype))
     bbox_targets[pos_rows] = box_targets[pos_cols]
     num_pos = num_groups * sum(gt_counts)  # the negatives: each positive's query shifted by half a group
