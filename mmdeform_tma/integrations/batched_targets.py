@@ -4,10 +4,11 @@ building for every image of a batch at once, with mmdet's results.
 mmdet's `DETRHead.get_targets` works image by image, for every decoder layer. Per image,
 `HungarianAssigner.assign` issues about 80 kernel launches and five host synchronisations (each
 match cost's kernels, the L1 cost's image size copied to the GPU, the cost matrix copied back, the
-two match index arrays copied over), and the target building four more (`nonzero`, `unique`, the
-image size again). A Deformable DETR bs 8 iteration runs 48 such matchings: on an H100 (commit
-0d33360, docs/benchmarks.md, session 11) the assigner alone took 157 of the fast path's 327 profiled
-host ms, and the head and loss issued 624 host synchronisations. DINO's denoising targets are built
+two match index arrays copied over, `bbox_overlaps` copying its eps), and the target building six
+more (`nonzero` and `unique` twice each, the image size again, a scalar assigned into the box
+weights): 11 per image, 528 per Deformable DETR bs 8 iteration of 48 matchings (H100, commit
+84188f7, docs/benchmarks.md, session 18), where the assigner alone had taken 157 profiled host ms of
+an iteration of 327 (commit 0d33360, session 11). DINO's denoising targets are built
 the same way, image by image and layer by layer, without a solve.
 
 Here, per decoder layer:
@@ -19,7 +20,8 @@ Here, per decoder layer:
   bounded by `max_cost_elements` (images are matched in groups beyond it). `BBoxL1Cost` alone
   normalises by one image's size; it is computed here, with each row's and column's own image
   size, in mmdet's operations;
-- the cost matrices come back to the host together, one synchronisation, and SciPy solves each
+- the cost matrices come back to the host together, one synchronisation (`IoUCost`'s
+  `bbox_overlaps` adds one of its own: it copies its eps to the GPU), and SciPy solves each
   image's block as mmdet does;
 - the matches go to the GPU in one copy that does not wait, and the targets of all images are built
   in a few launches; the positive and negative counts are known on the host.

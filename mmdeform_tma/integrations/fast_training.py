@@ -47,8 +47,8 @@ launched the next ones (docs/benchmarks.md). This path cuts host work with exist
 
 - the head's training targets built for all images at once (`batched_targets`,
   `batch_detr_targets`): mmdet matches and builds targets image by image for every decoder layer,
-  about 80 launches and 9 host synchronisations per image; batched, one synchronisation per layer
-  and the same targets, bitwise. DINO's denoising targets too.
+  about 120 launches and 11 host synchronisations per image; batched, one read-back per layer (and
+  the one in mmdet's `bbox_overlaps`) and the same targets, bitwise. DINO's denoising targets too.
 
 What stays on the host is mmdet's: the SciPy solve per image and decoder layer, the losses'
 average factors read back with `.item()`, and mmengine's logging of every loss value.
