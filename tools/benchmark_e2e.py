@@ -96,7 +96,10 @@ def build_model(config_path: str, backend: str, device: torch.device, seed: int,
         from mmdeform_tma.integrations import fast_training
 
         fast_training.fast_training_config(
-            cfg, compile_mode=fast["mode"], compile_scope=fast["scope"], batched_targets=fast.get("batched_targets", True)
+            cfg,
+            compile_mode=fast["mode"],
+            compile_scope=fast["scope"],
+            batched_targets=fast.get("batched_targets", True),
         )
     model_cfg = copy.deepcopy(cfg.model)
     model_cfg.backbone.init_cfg = None  # offline, and the same random init for every backend
@@ -361,17 +364,29 @@ COMPILE_SHAPES = ("automatic", "static")  # torch.compile(dynamic=None) or dynam
 TARGETS = ("batched", "mmdet")  # the fast path's batched head targets, or mmdet's per image
 
 
-def fast_label(backend: str, mode: str | None, scope: str | None, shapes: str | None = None, targets: str | None = None) -> str:
+def fast_label(
+    backend: str, mode: str | None, scope: str | None, shapes: str | None = None, targets: str | None = None
+) -> str:
     """'auto+fast' on the fast path's defaults, else with the mode, scope, shapes and targets that differ."""
     from mmdeform_tma.integrations.fast_training import DEFAULT_COMPILE_MODE, DEFAULT_COMPILE_SCOPE
 
-    defaults = ((mode, DEFAULT_COMPILE_MODE), (scope, DEFAULT_COMPILE_SCOPE), (shapes, COMPILE_SHAPES[0]), (targets, TARGETS[0]))
+    defaults = (
+        (mode, DEFAULT_COMPILE_MODE),
+        (scope, DEFAULT_COMPILE_SCOPE),
+        (shapes, COMPILE_SHAPES[0]),
+        (targets, TARGETS[0]),
+    )
     differ = [f"{v}-targets" if v in TARGETS else v for v, default in defaults if v and v != default]
     return f"{backend}+fast" + (f"[{','.join(differ)}]" if differ else "")
 
 
 def run_one(
-    args, backend: str, precision: str, device: torch.device, fast: tuple[str, str, str, str] | None = None, repeat: int = 0
+    args,
+    backend: str,
+    precision: str,
+    device: torch.device,
+    fast: tuple[str, str, str, str] | None = None,
+    repeat: int = 0,
 ) -> Result:
     """One variant: `fast` is None (eager) or the fast path's (compile mode, scope, shapes, targets)."""
     mode, scope, shapes, targets = fast or (None, None, None, None)
@@ -638,7 +653,8 @@ def main(argv=None) -> int:
     env.update(
         config=args.config, batch=args.batch, image_size=",".join(f"{h}x{w}" for h, w in args.image_sizes),
         compile_mode=args.compile_mode, compile_scope=args.compile_scope, compile_shapes=args.compile_shapes,
-        fast_targets=args.fast_targets, repeats=args.repeats, paired_rounds=args.paired, fast_rows_gc_frozen=args.gc_freeze,
+        fast_targets=args.fast_targets,
+        repeats=args.repeats, paired_rounds=args.paired, fast_rows_gc_frozen=args.gc_freeze,
     )
     if args.paired:
         results = []
@@ -658,7 +674,11 @@ def main(argv=None) -> int:
         return 0
     results: list[Result] = []
     fast_options = [
-        (m, s, d, t) for m in args.compile_mode for s in args.compile_scope for d in args.compile_shapes for t in args.fast_targets
+        (m, s, d, t)
+        for m in args.compile_mode
+        for s in args.compile_scope
+        for d in args.compile_shapes
+        for t in args.fast_targets
     ]
     variants = [(b, None) for b in backends] + [(b, f) for b in args.fast_backends for f in fast_options]
     # round-robin: each round runs every variant once, so drift of the machine hits all alike

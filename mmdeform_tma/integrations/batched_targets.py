@@ -50,7 +50,7 @@ from scipy.optimize import linear_sum_assignment
 SUPPORTED_COSTS = (FocalLossCost, ClassificationCost, BBoxL1Cost, IoUCost)  # exactly these classes
 # Predictions x ground-truth boxes per cost matrix. Each cost's intermediates are of this size
 # (IoUCost's GIoU holds several): 4 M elements stay in tens of MB. Deformable DETR at bs 8 with 7 boxes
-# per image needs 0.13 M, DINO at bs 16 with 50 per image 11.5 M (three groups).
+# per image needs 0.13 M, DINO at bs 16 with 50 per image 11.5 M (matched in two groups).
 MAX_COST_ELEMENTS = 1 << 22
 BATCHED_MARK = "_mmdeform_tma_batched"
 
@@ -140,7 +140,9 @@ def image_groups(num_queries: int, gt_counts: list[int], max_cost_elements: int)
     return groups
 
 
-def hungarian_matches(assigner, scores, pred_xyxy, pred_factors, gt_labels, gt_xyxy, gt_factors, gt_counts, max_cost_elements):
+def hungarian_matches(
+    assigner, scores, pred_xyxy, pred_factors, gt_labels, gt_xyxy, gt_factors, gt_counts, max_cost_elements
+):
     """Per image, SciPy's (rows, columns) on its block of the cost matrix, as mmdet's assigner solves
     it; the column is the box's index within its image. One host synchronisation in all."""
     num_queries = pred_xyxy.size(1)
@@ -171,6 +173,11 @@ def hungarian_matches(assigner, scores, pred_xyxy, pred_factors, gt_labels, gt_x
                 cols = slice(offsets[i] - offsets[group.start], offsets[i + 1] - offsets[group.start])
                 matches[i] = linear_sum_assignment(cost[rows, cols])
     return matches
+
+
+def per_image(num_imgs: int, *batched: torch.Tensor) -> list[list[torch.Tensor]]:
+    """Each tensor of all images' rows as mmdet returns it: a list of per-image views."""
+    return [list(t.view(num_imgs, -1, *t.shape[1:]).unbind(0)) for t in batched]
 
 
 def batched_get_targets(
@@ -206,11 +213,7 @@ def batched_get_targets(
     bbox_weights.index_fill_(0, pos_rows, 1.0)  # `[rows] = 1.0` would copy the 1.0 over, a host wait
     bbox_targets[pos_rows] = bbox_xyxy_to_cxcywh(gt_xyxy[pos_cols] / gt_pred_factors[pos_cols])
     num_pos = len(rows)
-    return (
-        *(list(t.view(num_imgs, num_queries, *t.shape[1:]).unbind(0)) for t in (labels, label_weights, bbox_targets, bbox_weights)),
-        num_pos,
-        total - num_pos,
-    )
+    return (*per_image(num_imgs, labels, label_weights, bbox_targets, bbox_weights), num_pos, total - num_pos)
 
 
 def batched_get_dn_targets(head, batch_gt_instances, batch_img_metas, dn_meta) -> tuple:
@@ -241,8 +244,7 @@ def batched_get_dn_targets(head, batch_gt_instances, batch_img_metas, dn_meta) -
     box_targets = bbox_xyxy_to_cxcywh(gt_xyxy / gt_factors.to(gt_xyxy.dtype))
     bbox_targets[pos_rows] = box_targets[pos_cols]
     num_pos = num_groups * sum(gt_counts)  # the negatives: each positive's query shifted by half a group
-    views = (t.view(len(gt_counts), num_dn_queries, *t.shape[1:]).unbind(0) for t in (labels, label_weights, bbox_targets, bbox_weights))
-    return (*(list(v) for v in views), num_pos, num_pos)
+    return (*per_image(len(gt_counts), labels, label_weights, bbox_targets, bbox_weights), num_pos, num_pos)
 
 
 def batch_detr_targets(model: torch.nn.Module) -> tuple[list[str], list[str]]:

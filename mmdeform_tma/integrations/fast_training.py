@@ -467,11 +467,12 @@ def fast_training_config(
 ):
     """`cfg` (an mmengine Config) switched to the fast path, in place; returns it.
 
-    Adds the compile hook (which also freezes the heap after `gc_freeze_after` training iterations;
-    None: never; and, with `batched_targets`, builds the head's targets for all images at once), the fused optimizer with merged parameter groups (unless the config
-    names a constructor of its own), batches copied to the GPU without a host wait (pinned by the
-    data loaders, copied `non_blocking` by the data preprocessor) and, unless the model pads to a
-    fixed size already (Mask2Former's large-scale jitter), bucket padding. Raises for an optimizer
+    Adds the compile hook (which also freezes the heap after `gc_freeze_after` training iterations,
+    None: never, and with `batched_targets` builds the head's targets for all images at once), the
+    fused optimizer with merged parameter groups (unless the config names a constructor of its own),
+    batches copied to the GPU without a host wait (pinned by the data loaders, copied `non_blocking`
+    by the data preprocessor) and, unless the model pads to a fixed size already (Mask2Former's
+    large-scale jitter), bucket padding. Raises for an optimizer
     without a fused kernel rather than quietly leaving it unfused."""
     check_choice("mode", compile_mode, COMPILE_MODES)
     check_choice("scope", compile_scope, COMPILE_SCOPES)

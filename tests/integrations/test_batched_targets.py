@@ -173,7 +173,9 @@ def test_heads_that_cannot_be_batched_say_why():
             raise AssertionError("not called")
 
     h = head(costs=[*DETR_COSTS, dict(type="DiceCost", weight=1.0)])
-    assert bt.unsupported_reasons(h) == ["match cost DiceCost is none of FocalLossCost, ClassificationCost, BBoxL1Cost, IoUCost"]
+    assert bt.unsupported_reasons(h) == [
+        "match cost DiceCost is none of FocalLossCost, ClassificationCost, BBoxL1Cost, IoUCost"
+    ]
     h = head(costs=[dict(type="FocalLossCost", weight=2.0, binary_input=True)])
     assert "binary_input" in bt.unsupported_reasons(h)[0]
     h = head()
