@@ -175,9 +175,9 @@ def hungarian_matches(
     return matches
 
 
-def per_image(num_imgs: int, *batched: torch.Tensor) -> list[list[torch.Tensor]]:
-    """Each tensor of all images' rows as mmdet returns it: a list of per-image views."""
-    return [list(t.view(num_imgs, -1, *t.shape[1:]).unbind(0)) for t in batched]
+def per_image(num_imgs: int, rows: int, *batched: torch.Tensor) -> list[list[torch.Tensor]]:
+    """Each tensor of all images' rows (`rows` per image) as mmdet returns it: a list of per-image views."""
+    return [list(t.view(num_imgs, rows, *t.shape[1:]).unbind(0)) for t in batched]
 
 
 def batched_get_targets(
@@ -213,7 +213,8 @@ def batched_get_targets(
     bbox_weights.index_fill_(0, pos_rows, 1.0)  # `[rows] = 1.0` would copy the 1.0 over, a host wait
     bbox_targets[pos_rows] = bbox_xyxy_to_cxcywh(gt_xyxy[pos_cols] / gt_pred_factors[pos_cols])
     num_pos = len(rows)
-    return (*per_image(num_imgs, labels, label_weights, bbox_targets, bbox_weights), num_pos, total - num_pos)
+    targets = per_image(num_imgs, num_queries, labels, label_weights, bbox_targets, bbox_weights)
+    return (*targets, num_pos, total - num_pos)
 
 
 def batched_get_dn_targets(head, batch_gt_instances, batch_img_metas, dn_meta) -> tuple:
@@ -244,7 +245,8 @@ def batched_get_dn_targets(head, batch_gt_instances, batch_img_metas, dn_meta) -
     box_targets = bbox_xyxy_to_cxcywh(gt_xyxy / gt_factors.to(gt_xyxy.dtype))
     bbox_targets[pos_rows] = box_targets[pos_cols]
     num_pos = num_groups * sum(gt_counts)  # the negatives: each positive's query shifted by half a group
-    return (*per_image(len(gt_counts), labels, label_weights, bbox_targets, bbox_weights), num_pos, num_pos)
+    targets = per_image(len(gt_counts), num_dn_queries, labels, label_weights, bbox_targets, bbox_weights)
+    return (*targets, num_pos, num_pos)
 
 
 def batch_detr_targets(model: torch.nn.Module) -> tuple[list[str], list[str]]:

@@ -159,7 +159,9 @@ def test_benchmark_e2e_fast_rows_freeze_the_heap_after_warm_up_and_unfreeze_it(t
     assert all(r["error"] is None for r in data["results"])
 
 
-def test_benchmark_e2e_static_shapes_rows_compile_with_dynamic_false(tmp_path, monkeypatch):
+def fast_rows_built(tmp_path, monkeypatch, *options) -> tuple[list[dict], list[dict]]:
+    """The fast options benchmark_e2e hands build_model for one fast row per variant of `options`
+    (build_model stopped at once), and the result rows it writes."""
     pytest.importorskip("mmdet")
     import benchmark_e2e
 
@@ -172,34 +174,25 @@ def test_benchmark_e2e_static_shapes_rows_compile_with_dynamic_false(tmp_path, m
     monkeypatch.setattr(benchmark_e2e, "build_model", build_model)
     argv = [
         "--device", "cpu", "--backends", "--fast-backends", "pytorch", "--compile-backend", "aot_eager",
-        "--compile-shapes", "automatic", "static", "--iters", "1", "--out", str(tmp_path / "e2e"),
+        *options, "--iters", "1", "--out", str(tmp_path / "e2e"),
     ]
     assert benchmark_e2e.main(argv) == 0
+    return seen, json.loads((tmp_path / "e2e.json").read_text())["results"]
+
+
+def test_benchmark_e2e_static_shapes_rows_compile_with_dynamic_false(tmp_path, monkeypatch):
+    seen, results = fast_rows_built(tmp_path, monkeypatch, "--compile-shapes", "automatic", "static")
     assert [fast.get("dynamic", "torch's default") for fast in seen] == ["torch's default", False]
-    results = json.loads((tmp_path / "e2e.json").read_text())["results"]
     assert [(r["compile_shapes"], r["error"]) for r in results] == [
         ("automatic", "RuntimeError: stop here"), ("static", "RuntimeError: stop here")
     ]
 
 
 def test_benchmark_e2e_targets_rows_batch_the_head_s_targets_or_not(tmp_path, monkeypatch):
-    pytest.importorskip("mmdet")
     import benchmark_e2e
 
-    seen = []
-
-    def build_model(config, backend, device, seed, fast=None):
-        seen.append(fast["batched_targets"])
-        raise RuntimeError("stop here")
-
-    monkeypatch.setattr(benchmark_e2e, "build_model", build_model)
-    argv = [
-        "--device", "cpu", "--backends", "--fast-backends", "pytorch", "--compile-backend", "aot_eager",
-        "--fast-targets", "batched", "mmdet", "--iters", "1", "--out", str(tmp_path / "e2e"),
-    ]
-    assert benchmark_e2e.main(argv) == 0
-    assert seen == [True, False]
-    results = json.loads((tmp_path / "e2e.json").read_text())["results"]
+    seen, results = fast_rows_built(tmp_path, monkeypatch, "--fast-targets", "batched", "mmdet")
+    assert [fast["batched_targets"] for fast in seen] == [True, False]
     assert [r["targets"] for r in results] == ["batched", "mmdet"]
     assert benchmark_e2e.fast_label("auto", "reduce-overhead", "network+decoder", "automatic", "mmdet") == (
         "auto+fast[mmdet-targets]"
