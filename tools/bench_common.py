@@ -178,6 +178,7 @@ class _BackendObserver(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.seen: dict[str, list[str]] = {}
+        self.configs: dict[str, list[int]] = {}  # the compiled op's `config` argument, per direction
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -192,19 +193,30 @@ class _BackendObserver(TorchDispatchMode):
                 else:  # per-backend ops: mmcv_forward, reference_backward, ...
                     backend = op.rpartition("_")[0].replace("reference", "pytorch")
                 self.seen.setdefault(direction, []).append(backend)
+                if "config" in names:
+                    config = kwargs["config"] if "config" in kwargs else args[names.index("config")]
+                    self.configs.setdefault(direction, []).append(config)
         return func(*args, **kwargs)
 
 
-def observed_backends(call: Callable[[], object]) -> dict[str, str]:
+def observed_backends(call: Callable[[], object], configs: bool = False) -> dict[str, str]:
     """Run `call` once and name the backend each direction used ('unknown' where no mmdeform_tma
-    op was seen): what 'auto' picked, whatever the dispatch logic behind it."""
+    op was seen): what 'auto' picked, whatever the dispatch logic behind it. With `configs`, also
+    the kernel configs the compiled op was called with, per direction under 'forward config' and
+    'backward config' ('-' where the ops take none; -1 is the kernel's own heuristic): two rows
+    that ran the same backend can still differ there."""
     observer = _BackendObserver()
     with observer:
         call()
-    return {
+    seen = {
         direction: "+".join(dict.fromkeys(observer.seen[direction])) if direction in observer.seen else "unknown"
         for direction in ("forward", "backward")
     }
+    if configs:
+        for direction in ("forward", "backward"):
+            numbers = observer.configs.get(direction)
+            seen[f"{direction} config"] = "+".join(dict.fromkeys(map(str, numbers))) if numbers else "-"
+    return seen
 
 
 def time_calls(

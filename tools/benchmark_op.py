@@ -332,6 +332,7 @@ class HostRow:
     timing: dict = field(default_factory=dict)
     calls_per_sample: int = 0
     ran: str | None = None  # the backend whose ops were seen running (what 'auto' picked)
+    configs: str | None = None  # the kernel configs those ops were called with (forward / backward)
     ratio_to_mmcv: float | None = None  # median over that of what mmcv's module calls here, same dtype and direction
     error: str | None = None
 
@@ -550,8 +551,10 @@ def prepare_host_row(row: HostRow, device: torch.device):
             grad_out = output_gradient(inputs, torch.Generator(device).manual_seed(3))
             call = lambda: torch.autograd.grad(bound.run(*leaves), leaves, grad_out)  # noqa: E731
         if row.api == OUR_API:
-            ran = bench_common.observed_backends(call)
-            row.ran = ran["forward"] if row.direction == "forward" else f"{ran['forward']} / {ran['backward']}"
+            ran = bench_common.observed_backends(call, configs=True)
+            directions = ("forward",) if row.direction == "forward" else ("forward", "backward")
+            row.ran = " / ".join(ran[d] for d in directions)
+            row.configs = " / ".join(ran[f"{d} config"] for d in directions)
         else:
             call()  # a foreign function that fails, fails here, where its error is recorded
         return call
@@ -565,14 +568,14 @@ def prepare_host_row(row: HostRow, device: torch.device):
 
 
 def host_table_rows(rows: list[HostRow]) -> tuple[list[str], list[list[object]]]:
-    header = ["api", "backend", "dtype", "direction", "median us/call", "p90 us/call", "/ mmcv", "ran"]
+    header = ["api", "backend", "dtype", "direction", "median us/call", "p90 us/call", "/ mmcv", "ran", "configs"]
     body = []
     for r in rows:
         if r.error:
-            body.append([r.api, r.backend, r.dtype, r.direction, r.error[:90], "", "", ""])
+            body.append([r.api, r.backend, r.dtype, r.direction, r.error[:90], "", "", "", ""])
         else:
             times = [fmt(r.timing["median_us"], ".1f"), fmt(r.timing["p90_us"], ".1f"), fmt(r.ratio_to_mmcv, ".2f")]
-            body.append([r.api, r.backend, r.dtype, r.direction, *times, r.ran or "-"])
+            body.append([r.api, r.backend, r.dtype, r.direction, *times, r.ran or "-", r.configs or "-"])
     return header, body
 
 
@@ -586,7 +589,8 @@ def write_host_outputs(prefix: Path, env: dict, rows: list[HostRow]) -> None:
         "",
         f"Eager wall time per call: {env['method']}. '/ mmcv' is the median over that of `{env['baseline']}`, what "
         "mmcv's MultiScaleDeformableAttention calls on this device, called as it calls it, in the same dtype and "
-        "direction; 'ran' names the backend whose ops ran (forward / backward).",
+        "direction; 'ran' names the backend whose ops ran (forward / backward), 'configs' the kernel configs they were "
+        "called with (-1: the kernel's own heuristic; '-': ops without one).",
         "",
         bench_common.markdown_table(*host_table_rows(rows)),
     ]

@@ -74,6 +74,10 @@ def test_observed_backends_reads_what_auto_ran():
 
     assert bench_common.observed_backends(step) == {"forward": "pytorch", "backward": "pytorch"}
     assert bench_common.observed_backends(lambda: value + 1) == {"forward": "unknown", "backward": "unknown"}
+    # the reference's ops take no kernel config
+    assert bench_common.observed_backends(step, configs=True) == {
+        "forward": "pytorch", "backward": "pytorch", "forward config": "-", "backward config": "-"
+    }
 
 
 @pytest.mark.skipif(not library.OPS_LOADED, reason="mmdeform_tma._C is not built")
@@ -81,6 +85,12 @@ def test_observed_backends_reads_the_backend_argument_of_the_compiled_op():
     value, shapes, starts, loc, attn = tiny_inputs()
     call = lambda: torch.ops.mmdeform_tma.ms_deform_attn_forward(value, shapes, starts, loc, attn, "pytorch", -1)  # noqa: E731
     assert bench_common.observed_backends(call)["forward"] == "pytorch"
+    seen = bench_common.observed_backends(call, configs=True)
+    assert (seen["forward config"], seen["backward config"]) == ("-1", "-")
+    by_keyword = lambda: torch.ops.mmdeform_tma.ms_deform_attn_forward(  # noqa: E731
+        value, shapes, starts, loc, attn, backend="pytorch", config=2
+    )
+    assert bench_common.observed_backends(by_keyword, configs=True)["forward config"] == "2"
 
 
 def test_host_overhead_on_the_cpu(tmp_path):
@@ -97,6 +107,7 @@ def test_host_overhead_on_the_cpu(tmp_path):
             forward, both = rows[(ours, backend, dtype, "forward")], rows[(ours, backend, dtype, "forward+backward")]
             assert forward["error"] is None and forward["timing"]["median_us"] > 0 and forward["calls_per_sample"] == 2
             assert (forward["ran"], both["ran"]) == ("pytorch", "pytorch / pytorch")
+            assert (forward["configs"], both["configs"]) == ("-", "- / -")
         assert rows[(ours, "mmcv", dtype, "forward")]["error"] == "unavailable: runs on cuda, not cpu"
     assert data["environment"]["baseline"] == benchmark_op.MMCV_CPU_PATH
     mmcv_function = rows[(benchmark_op.MMCV_FUNCTION, "-", "float32", "forward")]
