@@ -15,13 +15,11 @@ pytest.importorskip("mmdet")
 
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
+from synthetic_configs import DETR_R50, DINO, ROOT, TINY  # noqa: E402
+
 from mmdeform_tma.integrations import batched_targets as bt  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tools"))
-TINY = str(ROOT / "configs/synthetic/deformable-detr_tiny_synthetic_cpu.py")
-DETR_R50 = str(ROOT / "configs/synthetic/deformable-detr_r50_synthetic_tma-ws.py")
-DINO = str(ROOT / "configs/synthetic/dino-4scale_r50_synthetic_tma-ws.py")
 
 DETR_COSTS = [
     dict(type="FocalLossCost", weight=2.0),

@@ -8,7 +8,6 @@ import gc
 import sys
 import weakref
 from argparse import Namespace
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,18 +16,16 @@ pytest.importorskip("mmdet")
 
 from mmengine.config import Config  # noqa: E402
 
+from synthetic_configs import DETR_R50, DINO, ROOT, TINY  # noqa: E402
+
 from mmdeform_tma.integrations import fast_training  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tools"))
-DETR = str(ROOT / "configs/synthetic/deformable-detr_r50_synthetic_tma-ws.py")
-TINY = str(ROOT / "configs/synthetic/deformable-detr_tiny_synthetic_cpu.py")
-DINO = str(ROOT / "configs/synthetic/dino-4scale_r50_synthetic_tma-ws.py")
 
 
 def test_fast_config_adds_compile_hook_fused_optimizer_and_buckets():
     cfg = fast_training.fast_training_config(
-        Config.fromfile(DETR), compile_mode="reduce-overhead", bucket_step=64, compile_scope="network"
+        Config.fromfile(DETR_R50), compile_mode="reduce-overhead", bucket_step=64, compile_scope="network"
     )
     assert "mmdeform_tma.integrations.fast_training" in cfg.custom_imports["imports"]
     assert "mmdeform_tma" in cfg.custom_imports["imports"]
@@ -45,14 +42,14 @@ def test_fast_config_adds_compile_hook_fused_optimizer_and_buckets():
 
 
 def test_fast_config_leaves_a_custom_constructor_alone():
-    cfg = Config.fromfile(DETR)
+    cfg = Config.fromfile(DETR_R50)
     cfg.optim_wrapper.constructor = "LayerDecayOptimWrapperConstructor"
     fast_training.fast_training_config(cfg)
     assert cfg.optim_wrapper.constructor == "LayerDecayOptimWrapperConstructor"
 
 
 def test_merged_param_groups_keep_every_parameter_s_settings_and_train_alike():
-    """The tiny DETR's paramwise_cfg (backbone and sampling offsets at lr x 0.1, as mmdet's) gives a
+    """The tiny DETR_R50's paramwise_cfg (backbone and sampling offsets at lr x 0.1, as mmdet's) gives a
     group per parameter; merged, a few groups remain, and a step from the same gradients moves every
     parameter as the per-parameter groups do."""
     from mmengine.optim import build_optim_wrapper
@@ -94,7 +91,7 @@ def test_merging_refuses_an_optimizer_with_state():
 
 
 def test_fast_config_is_idempotent():
-    once = fast_training.fast_training_config(Config.fromfile(DETR))
+    once = fast_training.fast_training_config(Config.fromfile(DETR_R50))
     twice = fast_training.fast_training_config(copy.deepcopy(once))
     assert twice.custom_hooks == once.custom_hooks
     assert twice.model.data_preprocessor.batch_augments == once.model.data_preprocessor.batch_augments
@@ -102,7 +99,7 @@ def test_fast_config_is_idempotent():
 
 
 def test_fast_config_keeps_a_fixed_size_pad():
-    cfg = Config.fromfile(DETR)
+    cfg = Config.fromfile(DETR_R50)
     fixed = dict(type="BatchFixedSizePad", size=(1024, 1024))
     cfg.model.data_preprocessor.batch_augments = [fixed]
     fast_training.fast_training_config(cfg)
@@ -110,7 +107,7 @@ def test_fast_config_keeps_a_fixed_size_pad():
 
 
 def test_fast_config_refuses_an_optimizer_without_a_fused_kernel():
-    cfg = Config.fromfile(DETR)
+    cfg = Config.fromfile(DETR_R50)
     cfg.optim_wrapper.optimizer = dict(type="RMSprop", lr=1e-3)
     with pytest.raises(ValueError, match="RMSprop"):
         fast_training.fast_training_config(cfg)
@@ -118,9 +115,9 @@ def test_fast_config_refuses_an_optimizer_without_a_fused_kernel():
 
 def test_fast_config_refuses_an_unknown_compile_mode():
     with pytest.raises(ValueError, match="compile mode"):
-        fast_training.fast_training_config(Config.fromfile(DETR), compile_mode="fastest")
+        fast_training.fast_training_config(Config.fromfile(DETR_R50), compile_mode="fastest")
     with pytest.raises(ValueError, match="compile scope 'model'"):
-        fast_training.fast_training_config(Config.fromfile(DETR), compile_scope="model")
+        fast_training.fast_training_config(Config.fromfile(DETR_R50), compile_scope="model")
     with pytest.raises(ValueError, match="compile scope"):
         fast_training.FastPathCompileHook(scope="everything")
 
@@ -404,7 +401,7 @@ def test_network_decoder_scope_compiles_the_decoder_whole():
 def test_network_decoder_scope_keeps_an_unknown_decoder_subclass_per_layer():
     from mmdet.models.layers.transformer import DeformableDetrTransformerDecoder
 
-    class CustomDecoder(DeformableDetrTransformerDecoder):  # e.g. DDQ-DETR's, with host logic of its own
+    class CustomDecoder(DeformableDetrTransformerDecoder):  # e.g. DDQ-DETR_R50's, with host logic of its own
         pass
 
     model, _ = tiny_model()
@@ -442,43 +439,43 @@ def test_new_image_sizes_stop_compiling_once_the_graphs_turn_dynamic():
 def test_train_tool_fast_options():
     import train
 
-    args = train.parse_args([DETR, "--fast", "--compile-mode", "reduce-overhead", "--compile-scope", "network", "--bucket-step", "256"])
+    args = train.parse_args([DETR_R50, "--fast", "--compile-mode", "reduce-overhead", "--compile-scope", "network", "--bucket-step", "256"])
     cfg = train.build_config(args)
     assert cfg.custom_hooks[-1] == dict(
         type="FastPathCompileHook", mode="reduce-overhead", scope="network", gc_freeze_after=20, batched_targets=True
     )
     assert cfg.model.data_preprocessor.batch_augments[-1] == dict(type="BatchBucketPad", step=256)
-    plain = train.build_config(train.parse_args([DETR]))
+    plain = train.build_config(train.parse_args([DETR_R50]))
     assert "FastPathCompileHook" not in str(plain.get("custom_hooks", []))
     for flag, value in (("--compile-mode", "default"), ("--compile-scope", "layers")):
         with pytest.raises(SystemExit):
-            train.build_config(train.parse_args([DETR, flag, value]))
+            train.build_config(train.parse_args([DETR_R50, flag, value]))
 
 
 def test_train_tool_gc_freeze_option():
     import train
 
     def hook(argv):
-        return train.build_config(train.parse_args([DETR, *argv])).custom_hooks[-1]
+        return train.build_config(train.parse_args([DETR_R50, *argv])).custom_hooks[-1]
 
     assert hook(["--fast"])["gc_freeze_after"] == fast_training.DEFAULT_GC_FREEZE_AFTER
     assert hook(["--fast", "--gc-freeze-after", "5"])["gc_freeze_after"] == 5
     assert hook(["--fast", "--gc-freeze-after", "0"])["gc_freeze_after"] is None  # 0: never
     for argv in (["--gc-freeze-after", "5"], ["--fast", "--gc-freeze-after", "-1"]):
         with pytest.raises(SystemExit):
-            train.build_config(train.parse_args([DETR, *argv]))
+            train.build_config(train.parse_args([DETR_R50, *argv]))
 
 
 def test_train_tool_mmdet_targets_option():
     import train
 
     def hook(argv):
-        return train.build_config(train.parse_args([DETR, *argv])).custom_hooks[-1]
+        return train.build_config(train.parse_args([DETR_R50, *argv])).custom_hooks[-1]
 
     assert hook(["--fast"])["batched_targets"] is True
     assert hook(["--fast", "--mmdet-targets"])["batched_targets"] is False
     with pytest.raises(SystemExit):
-        train.build_config(train.parse_args([DETR, "--mmdet-targets"]))
+        train.build_config(train.parse_args([DETR_R50, "--mmdet-targets"]))
 
 
 @pytest.fixture
@@ -532,7 +529,7 @@ def test_gc_freeze_after_must_be_a_positive_count_or_none(value):
     with pytest.raises(ValueError, match="gc_freeze_after"):
         fast_training.FastPathCompileHook(gc_freeze_after=value)
     with pytest.raises(ValueError, match="gc_freeze_after"):
-        fast_training.fast_training_config(Config.fromfile(DETR), gc_freeze_after=value)
+        fast_training.fast_training_config(Config.fromfile(DETR_R50), gc_freeze_after=value)
 
 
 def test_compile_hook_in_a_runner(tmp_path):
@@ -566,7 +563,7 @@ def test_compile_hook_in_a_runner(tmp_path):
 def test_apply_fast_args_without_fast_is_a_no_op():
     from runner_setup import apply_fast_args
 
-    cfg = Config.fromfile(DETR)
+    cfg = Config.fromfile(DETR_R50)
     before = cfg.to_dict()
     apply_fast_args(cfg, Namespace(fast=False, compile_mode=None, compile_scope=None, bucket_step=None, gc_freeze_after=None))
     assert cfg.to_dict() == before
