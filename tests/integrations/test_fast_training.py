@@ -31,7 +31,8 @@ def test_fast_config_adds_compile_hook_fused_optimizer_and_buckets():
     assert "mmdeform_tma" in cfg.custom_imports["imports"]
     assert [h for h in cfg.custom_hooks if h["type"] == "FastPathCompileHook"] == [
         dict(
-            type="FastPathCompileHook", mode="reduce-overhead", scope="network", gc_freeze_after=20, batched_targets=True
+            type="FastPathCompileHook", mode="reduce-overhead", scope="network", gc_freeze_after=20,
+            batched_targets=True,
         )
     ]
     assert cfg.optim_wrapper.optimizer.type == "AdamW" and cfg.optim_wrapper.optimizer.fused is True
@@ -264,7 +265,8 @@ def test_host_shaped_encoder_reference_points_equal_mmdet_s_without_scalar_reads
     model = dino_model()
     mmdet_points = DeformableDetrTransformerEncoder.get_encoder_reference_points
     levels = [(40, 38), (20, 19), (10, 10), (5, 5)]
-    samples = [DetDataSample(metainfo=dict(batch_input_shape=(320, 304), img_shape=s)) for s in [(320, 288), (230, 304)]]
+    sizes = [(320, 288), (230, 304)]
+    samples = [DetDataSample(metainfo=dict(batch_input_shape=(320, 304), img_shape=s)) for s in sizes]
     feats = [torch.randn(2, 256, h, w) for h, w in levels]
     encoder_inputs, _ = model.pre_transformer(feats, samples)
     shapes, ratios = encoder_inputs["spatial_shapes"], encoder_inputs["valid_ratios"]
@@ -439,7 +441,9 @@ def test_new_image_sizes_stop_compiling_once_the_graphs_turn_dynamic():
 def test_train_tool_fast_options():
     import train
 
-    args = train.parse_args([DETR_R50, "--fast", "--compile-mode", "reduce-overhead", "--compile-scope", "network", "--bucket-step", "256"])
+    args = train.parse_args(
+        [DETR_R50, "--fast", "--compile-mode", "reduce-overhead", "--compile-scope", "network", "--bucket-step", "256"]
+    )
     cfg = train.build_config(args)
     assert cfg.custom_hooks[-1] == dict(
         type="FastPathCompileHook", mode="reduce-overhead", scope="network", gc_freeze_after=20, batched_targets=True
@@ -541,7 +545,9 @@ def test_compile_hook_in_a_runner(tmp_path):
     subprocess_free_dataset = tmp_path / "data"
     import make_synthetic_coco
 
-    make_synthetic_coco.main(["--out", str(subprocess_free_dataset), "--num-train", "2", "--num-val", "1", "--size", "96"])
+    make_synthetic_coco.main(
+        ["--out", str(subprocess_free_dataset), "--num-train", "2", "--num-val", "1", "--size", "96"]
+    )
     register_all_modules()
     torch._dynamo.reset()
     cfg = fast_training.fast_training_config(Config.fromfile(TINY), bucket_step=64)
@@ -565,7 +571,8 @@ def test_apply_fast_args_without_fast_is_a_no_op():
 
     cfg = Config.fromfile(DETR_R50)
     before = cfg.to_dict()
-    apply_fast_args(cfg, Namespace(fast=False, compile_mode=None, compile_scope=None, bucket_step=None, gc_freeze_after=None))
+    no_fast = Namespace(fast=False, compile_mode=None, compile_scope=None, bucket_step=None, gc_freeze_after=None)
+    apply_fast_args(cfg, no_fast)
     assert cfg.to_dict() == before
 
 
