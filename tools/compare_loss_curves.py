@@ -5,7 +5,9 @@ or eager training against tools/train.py --fast).
     python tools/compare_loss_curves.py eager fast --repeats eager_2 [eager_3 ...]
 
 Reads each run's newest `*/vis_data/scalars.json` and takes `global_loss` (the loss averaged over
-ranks, logged by mmdeform_tma's LossOverRanksHook) where logged, else `loss`. mmengine logs a
+ranks, logged by mmdeform_tma's LossOverRanksHook) where logged, else `loss`. A run may also be
+given as mmengine's text log (a `.log` file; its losses are printed to 4 decimals), for runs whose
+work dir is gone but whose log was kept. mmengine logs a
 loss as the running mean over the last `log_processor.window_size` iterations (mmdet's configs:
 50), which smooths away the iteration-to-iteration change the comparison measures noise by; where
 the run's saved config says so and every iteration was logged, the running means are undone
@@ -32,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -81,16 +84,60 @@ def read_curve(path: Path, window: int | None = None) -> dict[int, float]:
         curve[int(record["step"] if "step" in record else record["iter"])] = float(record.get("global_loss", record["loss"]))
     if not curve:
         raise ValueError(f"{path}: no training losses")
-    window = logged_window(path) if window is None else window
-    if window > 1:
-        steps = sorted(curve)
-        if steps != list(range(1, len(steps) + 1)):
-            raise ValueError(
-                f"{path}: losses logged as running means over {window} iterations, but not every iteration from 1: "
-                "log with default_hooks.logger.interval=1, or log_processor.window_size=1"
-            )
-        curve = dict(zip(steps, undo_running_means([curve[s] for s in steps], window)))
+    return undo_logged_window(path, curve, logged_window(path) if window is None else window)
+
+
+TRAIN_LINE = re.compile(r"(?:Epoch\(train\)\s*\[(\d+)\]|Iter\(train\))\s*\[\s*(\d+)/(\d+)\]")
+LOGGED_VALUE = r"\s{}: (\S+)"
+
+
+def read_text_log(path: Path) -> dict[int, float]:
+    """Training iteration -> loss from mmengine's text log: the train lines' `global_loss` (else
+    `loss`). Only logs of window_size=1 (its config dump says): undoing running means from values
+    printed to 4 decimals would add the rounding error up over the run."""
+    text = path.read_text()
+    curve = {}
+    for line in text.splitlines():
+        match = TRAIN_LINE.search(line)
+        if not match:
+            continue
+        epoch, index, per_epoch = match.groups()
+        value = re.search(LOGGED_VALUE.format("global_loss"), line) or re.search(LOGGED_VALUE.format("loss"), line)
+        if value is None:
+            continue
+        step = (int(epoch) - 1) * int(per_epoch) + int(index) if epoch else int(index)
+        curve[step] = float(value.group(1))
+    if not curve:
+        raise ValueError(f"{path}: no training losses (not an mmengine text log?)")
+    if text_log_window(text) != 1:
+        raise ValueError(f"{path}: a text log of running means; compare runs logged with log_processor.window_size=1")
     return curve
+
+
+def text_log_window(text: str) -> int:
+    window = re.search(r"window_size=(\d+)", text)
+    return int(window.group(1)) if window else 10
+
+
+def undo_logged_window(path: Path, curve: dict[int, float], window: int) -> dict[int, float]:
+    if window <= 1:
+        return curve
+    steps = sorted(curve)
+    if steps != list(range(1, len(steps) + 1)):
+        raise ValueError(
+            f"{path}: losses logged as running means over {window} iterations, but not every iteration from 1: "
+            "log with default_hooks.logger.interval=1, or log_processor.window_size=1"
+        )
+    return dict(zip(steps, undo_running_means([curve[s] for s in steps], window)))
+
+
+def read_run(run: Path) -> tuple[dict[int, float], int]:
+    """A run's per-iteration curve and the window it was logged with: a work dir, or a text log."""
+    if run.is_file() and run.suffix == ".log":
+        return read_text_log(run), 1
+    scalars = find_scalars(run)
+    window = logged_window(scalars)
+    return read_curve(scalars, window), window
 
 
 def rms(values: list[float]) -> float:
@@ -173,18 +220,18 @@ def plot(path: Path, result: dict, labels: tuple[str, str]) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("reference", type=Path, help="work dir of the reference run (e.g. one GPU)")
-    p.add_argument("other", type=Path, help="work dir of the run to check (e.g. DDP)")
+    p.add_argument("reference", type=Path, help="work dir (or text log) of the reference run (e.g. one GPU)")
+    p.add_argument("other", type=Path, help="work dir (or text log) of the run to check (e.g. DDP)")
     p.add_argument("--out", type=Path, help="write OUT.json and OUT.png")
     p.add_argument("--max-offset", type=float, default=0.01, help="largest mean relative offset over the second half")
     p.add_argument(
         "--repeats", type=Path, nargs="+", default=[],
-        help="work dirs of further runs of the reference's configuration: the offset bound is their measured noise",
+        help="work dirs (or text logs) of further runs of the reference's configuration: "
+        "the offset bound is their measured noise",
     )
     args = p.parse_args(argv)
-    scalars = [find_scalars(d) for d in (args.reference, *args.repeats, args.other)]
-    windows = [logged_window(path) for path in scalars]
-    curves = [read_curve(path, window) for path, window in zip(scalars, windows)]
+    runs = [read_run(run) for run in (args.reference, *args.repeats, args.other)]
+    curves, windows = [curve for curve, _ in runs], [window for _, window in runs]
     references, other = curves[:-1], curves[-1]
     if args.repeats:
         result = compare_with_repeats(references, other, max_offset=args.max_offset)

@@ -178,3 +178,43 @@ def test_compare_loss_curves_bounds_the_offset_by_the_reference_runs_own_noise(t
     assert compare_loss_curves.main([str(dirs[0]), str(dirs[2]), "--repeats", str(dirs[1]), "--out", str(tmp_path / "r")]) == 0
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["run_to_run"]["offset_bound"] == pytest.approx(0.015) and report["within_noise"]
+
+
+def write_text_log(path, losses, window, style="epoch"):
+    """mmengine's text log as LogProcessor prints it: the config dump, then one train line per
+    iteration with running means to 4 decimals (and a validation line that must be skipped)."""
+    from mmengine.logging import HistoryBuffer
+
+    buffer = HistoryBuffer()
+    lines = [f"log_processor = dict(by_epoch=True, type='LogProcessor', window_size={window})"]
+    for step, loss in enumerate(losses, start=1):
+        buffer.update(loss)
+        total = len(losses)
+        where = f"Epoch(train) [1][{step:3d}/{total}]" if style == "epoch" else f"Iter(train) [{step:3d}/{total}]"
+        lines.append(f"11/25 04:09:27 - mmengine - INFO - {where}  lr: 1.0000e-04  time: 0.3763  grad_norm: nan  "
+                     f"loss: {buffer.mean(window):.4f}  loss_cls: 1.2139  d0.loss_cls: 1.1572")
+    lines.append("11/25 04:10:48 - mmengine - INFO - Epoch(val) [1][25/25]    coco/bbox_mAP: 0.0080  loss: 3.0000")
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_compare_loss_curves_reads_mmengine_text_logs(tmp_path):
+    """A run whose work dir is gone is compared from its kept text log: per-iteration losses from
+    the 4-decimal running means the log prints, epoch- or iteration-based."""
+    pytest.importorskip("mmengine")
+    sys.path.insert(0, str(ROOT / "tools"))
+    import compare_loss_curves
+
+    losses = [20.0 + 5.0 * math.sin(1.7 * i) + 0.1 * i for i in range(1, 41)]
+    for style in ("epoch", "iter"):
+        curve, window = compare_loss_curves.read_run(write_text_log(tmp_path / "run_1.log", losses, 1, style))
+        assert window == 1 and sorted(curve) == list(range(1, 41))
+        assert [curve[s] for s in sorted(curve)] == pytest.approx(losses, abs=5e-5)
+    with pytest.raises(ValueError, match="window_size=1"):
+        compare_loss_curves.read_run(write_text_log(tmp_path / "means.log", losses, 4))
+    with pytest.raises(ValueError, match="no training losses"):
+        compare_loss_curves.read_text_log(write_text_log(tmp_path / "none.log", [], 1))
+    apart = write_text_log(tmp_path / "apart.log", [v * 1.05 for v in losses], 1)
+    again = write_text_log(tmp_path / "again.log", [v * 1.001 for v in losses], 1)
+    assert compare_loss_curves.main([str(tmp_path / "run_1.log"), str(again)]) == 0
+    assert compare_loss_curves.main([str(tmp_path / "run_1.log"), str(apart)]) == 1
