@@ -50,7 +50,7 @@ def test_fast_config_leaves_a_custom_constructor_alone():
 
 
 def test_merged_param_groups_keep_every_parameter_s_settings_and_train_alike():
-    """The tiny DETR_R50's paramwise_cfg (backbone and sampling offsets at lr x 0.1, as mmdet's) gives a
+    """The tiny DETR's paramwise_cfg (backbone and sampling offsets at lr x 0.1, as mmdet's) gives a
     group per parameter; merged, a few groups remain, and a step from the same gradients moves every
     parameter as the per-parameter groups do."""
     from mmengine.optim import build_optim_wrapper
@@ -403,7 +403,7 @@ def test_network_decoder_scope_compiles_the_decoder_whole():
 def test_network_decoder_scope_keeps_an_unknown_decoder_subclass_per_layer():
     from mmdet.models.layers.transformer import DeformableDetrTransformerDecoder
 
-    class CustomDecoder(DeformableDetrTransformerDecoder):  # e.g. DDQ-DETR_R50's, with host logic of its own
+    class CustomDecoder(DeformableDetrTransformerDecoder):  # e.g. DDQ-DETR's, with host logic of its own
         pass
 
     model, _ = tiny_model()
