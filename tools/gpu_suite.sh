@@ -16,8 +16,9 @@
 #                             backward and the deterministic backward; rewrites this GPU's table
 #                             (AUTOTUNE_ARGS adds options, e.g. "--layouts --dtypes float16")
 #   e2e                       tools/benchmark_e2e.py per model (E2E_MODELS, E2E_ARGS): stock against auto
-#                             side by side (--paired), then stock against auto on the fast path; AMP fp16
-#                             (Mask2Former fp32)
+#                             side by side (--paired E2E_PAIRED_ROUNDS, default 10), then stock against auto
+#                             on the fast path; AMP fp16 (Mask2Former fp32). E2E_ROWS="paired fast" by default;
+#                             name one of the two to run only it
 #   parity                    loss parity, eager against --fast: 100 iterations of tools/train.py per
 #                             model on the synthetic set (PARITY_MODELS), eager PARITY_EAGER_RUNS times
 #                             (default 2: the second measures eager's run-to-run noise, the bound of
@@ -98,11 +99,16 @@ if has e2e; then
     # Mask2Former in fp32: mmdet's head is non-finite in AMP fp16 (tests/integrations/test_mask2former_gpu.py)
     precision=$([[ $name == mask2former* ]] && echo fp32 || echo amp-fp16)
     # the default path side by side with stock (the host drifts more between runs than the paths differ)
-    run "e2e_paired_$name" ${E2E_TIMEOUT:-900} python3 tools/benchmark_e2e.py --config "$config" --backends stock auto \
-      --fast-backends --precisions $precision --paired 10 --iters 10 --warmup 3 --out "$OUT/e2e_paired_$name"
-    # the fast path against stock, with the profiled breakdown
-    run "e2e_$name" ${E2E_TIMEOUT:-900} python3 tools/benchmark_e2e.py --config "$config" --backends stock \
-      --fast-backends auto --precisions $precision --out "$OUT/e2e_$name" ${E2E_ARGS:-}
+    if [[ " ${E2E_ROWS:-paired fast} " == *" paired "* ]]; then
+      run "e2e_paired_$name" ${E2E_TIMEOUT:-900} python3 tools/benchmark_e2e.py --config "$config" --backends stock auto \
+        --fast-backends --precisions $precision --paired ${E2E_PAIRED_ROUNDS:-10} --iters 10 --warmup 3 \
+        --out "$OUT/e2e_paired_$name"
+    fi
+    # the fast path against stock, with the profiled breakdown (a cold compile cache needs over 200 s)
+    if [[ " ${E2E_ROWS:-paired fast} " == *" fast "* ]]; then
+      run "e2e_$name" ${E2E_TIMEOUT:-900} python3 tools/benchmark_e2e.py --config "$config" --backends stock \
+        --fast-backends auto --precisions $precision --out "$OUT/e2e_$name" ${E2E_ARGS:-}
+    fi
   done
 fi
 if has parity; then
