@@ -137,7 +137,7 @@ def make_extension():
         {
             "TORCH_CUDA_ARCH_LIST": arch_list,
             "targets": " ".join(names),
-            "Hopper (tma, tma_ws) kernels": "yes (sm_90a)" if with_hopper else "no (9.0 not in TORCH_CUDA_ARCH_LIST)",
+            "Hopper (tma_ws) kernels": "yes (sm_90a)" if with_hopper else "no (9.0 not in TORCH_CUDA_ARCH_LIST)",
         }
     )
     ext = cpp_extension.CUDAExtension(

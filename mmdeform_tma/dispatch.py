@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 
 # 'auto' order where nothing measured decides: mmcv and the reference after the compiled backends,
 # and among those when no table covers this GPU's architecture.
-AUTO_PRIORITY: tuple[str, ...] = ("tma_ws", "tma", "cuda", "mmcv", "pytorch")
+AUTO_PRIORITY: tuple[str, ...] = ("tma_ws", "cuda", "mmcv", "pytorch")
 BACKEND_CHOICES: tuple[str, ...] = ("auto", *BACKEND_NAMES)
 COMPILED_BACKENDS: tuple[str, ...] = tuple(n for n in AUTO_PRIORITY if isinstance(BACKENDS[n], CompiledKernelBackend))
 # Call signature -> what the call runs. Bounded: shapes that change every call (random image
@@ -49,11 +49,27 @@ class Selection(NamedTuple):
     backward: Backend  # differs from forward only between compiled backends, which share one op
 
 
+# Names that no longer run anything, with the reason and what replaces them.
+RETIRED_BACKENDS: dict[str, str] = {
+    "tma": (
+        "its per-point TMA kernels were retired in 0.2.0: slower than 'tma_ws' or 'cuda' on every shape and "
+        "direction measured (1.11x-7x on an H100, docs/perf_notes.md, session 21); use 'tma_ws', or 'auto'"
+    ),
+}
+
+
+def unknown_backend_message(name: object) -> str:
+    """Why `name` is no backend: retired (and what replaces it), or never one."""
+    if isinstance(name, str) and name in RETIRED_BACKENDS:
+        return f"backend {name!r} no longer exists: {RETIRED_BACKENDS[name]}"
+    return f"unknown backend {name!r}; valid names: {', '.join(BACKEND_CHOICES)}"
+
+
 def get_backend(name: str) -> Backend:
     try:
         return BACKENDS[name]
     except (KeyError, TypeError):
-        raise ValueError(f"unknown backend {name!r}; valid names: {', '.join(BACKEND_CHOICES)}") from None
+        raise ValueError(unknown_backend_message(name)) from None
 
 
 def can_run(backend: Backend, inputs: MSDAInputs, *, raise_error: bool) -> bool:

@@ -26,7 +26,7 @@ def multi_scale_deformable_attn(
         sampling_locations: (bs, queries, heads, levels, points, 2), normalised (x, y) with
             align_corners=False semantics; float32 or value's dtype, never downcast.
         attention_weights: (bs, queries, heads, levels, points), float32 or value's dtype.
-        backend: 'auto', or one of 'tma_ws', 'tma', 'cuda', 'mmcv', 'pytorch'. A named backend
+        backend: 'auto', or one of 'tma_ws', 'cuda', 'mmcv', 'pytorch'. A named backend
             that cannot run the inputs raises BackendUnavailableError with its reasons.
         im2col_step: accepted for mmcv compatibility and ignored; no batch-divisibility rule.
 

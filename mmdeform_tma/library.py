@@ -2,7 +2,7 @@
 
 `torch.ops.mmdeform_tma.ms_deform_attn_forward` / `ms_deform_attn_backward` (schema in
 `csrc/ops.cpp`), the compiled kernels:
-  - CUDA kernel: C++, `csrc/cuda/dispatch_cuda.cpp` (the cuda, tma and tma_ws kernels);
+  - CUDA kernel: C++, `csrc/cuda/dispatch_cuda.cpp` (the cuda and tma_ws kernels);
   - autograd: C++, `csrc/autograd.cpp`: the forward's backward is the backward op, with the
     backend and config the forward carries; double backward raises;
   - CPU kernel (here): the PyTorch reference, so the op, its autograd and torch.compile run on any

@@ -23,15 +23,21 @@ def test_auto_on_cpu_picks_pytorch(inputs):
     assert dispatch.select_backend("auto", inputs).name == "pytorch"
 
 
-@pytest.mark.parametrize("name", ["cuda", "tma", "tma_ws", "mmcv"])
+@pytest.mark.parametrize("name", ["cuda", "tma_ws", "mmcv"])
 def test_forced_backend_that_cannot_run_raises_with_reasons(inputs, name):
     with pytest.raises(mmdeform_tma.BackendUnavailableError, match=rf"backend '{name}' cannot run .*\n  - runs on cuda, not cpu"):
         dispatch.select_backend(name, inputs)
 
 
 def test_unknown_backend_lists_valid_names(inputs):
-    with pytest.raises(ValueError, match="unknown backend 'triton'; valid names: auto, tma_ws, tma, cuda, mmcv, pytorch"):
+    with pytest.raises(ValueError, match="unknown backend 'triton'; valid names: auto, tma_ws, cuda, mmcv, pytorch"):
         dispatch.select_backend("triton", inputs)
+
+
+def test_a_retired_backend_says_so_and_what_replaces_it(inputs):
+    with pytest.raises(ValueError, match=r"backend 'tma' no longer exists: .*retired in 0\.2\.0.*use 'tma_ws', or 'auto'"):
+        dispatch.select_backend("tma", inputs)
+    assert "tma" not in dispatch.BACKEND_CHOICES
 
 
 def test_every_backend_declares_its_capabilities():
@@ -45,7 +51,7 @@ def test_every_backend_declares_its_capabilities():
 def test_compiled_backends_say_not_built_without_cuda(inputs):
     if mmdeform_tma.build_info().with_cuda:
         pytest.skip("this build has CUDA kernels")
-    for name in ("cuda", "tma", "tma_ws"):
+    for name in ("cuda", "tma_ws"):
         reasons = BACKENDS[name].not_supported_reasons(inputs)
         assert any(r.startswith("not built") and "pip install -e . --no-build-isolation" in r for r in reasons), reasons
 

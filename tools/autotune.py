@@ -130,7 +130,7 @@ def main(argv=None) -> int:
         "--layouts", action="store_true",
         help="tune the head / channel layouts of LAYOUT_PRESETS (beside --presets, if given)",
     )
-    p.add_argument("--backends", nargs="*", default=["cuda", "tma", "tma_ws"])
+    p.add_argument("--backends", nargs="*", default=["cuda", "tma_ws"])
     p.add_argument("--dtypes", nargs="*", choices=list(DTYPES), default=list(DTYPES))
     p.add_argument("--directions", nargs="*", choices=["forward", "backward", DETERMINISTIC], default=["forward", "backward"])
     p.add_argument("--keep", type=int, default=3, help="configs kept per entry")

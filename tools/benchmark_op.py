@@ -73,7 +73,7 @@ class Shape:
         )
 
 
-COMPILED_BACKENDS = ("cuda", "tma", "tma_ws")
+COMPILED_BACKENDS = ("cuda", "tma_ws")
 PRESETS = {
     s.name: s
     for s in [
@@ -663,7 +663,7 @@ def plot(path: Path, env: dict, rows: list[Row]) -> None:
     if not directions:
         return
     fig, axes = plt.subplots(len(directions), 1, figsize=(max(8, 0.6 * len({(r.preset, r.dtype) for r in good}) + 4), 3.6 * len(directions)), squeeze=False)
-    backends = sorted({r.backend for r in good}, key=lambda b: ("mmcv", "pytorch", "cuda", "tma", "tma_ws").index(b) if b in ("mmcv", "pytorch", "cuda", "tma", "tma_ws") else 9)
+    backends = sorted({r.backend for r in good}, key=lambda b: ("mmcv", "pytorch", "cuda", "tma_ws").index(b) if b in ("mmcv", "pytorch", "cuda", "tma_ws") else 9)
     for ax, direction in zip(axes[:, 0], directions):
         groups = sorted({(r.preset, r.dtype) for r in good if r.direction == direction})
         width = 0.8 / max(1, len(backends))

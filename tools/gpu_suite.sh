@@ -8,7 +8,7 @@
 #                             once. (Not the commit: the device's copy of .git can be stale, and a stale key
 #                             once served an earlier build.)
 #   tests                     kernel tests per backend, then the rest of the suite
-#   kernels_tma kernels_tma_ws kernels_cuda   one backend's kernel tests
+#   kernels_tma_ws kernels_cuda  one backend's kernel tests
 #   fuzz integration          tests/test_fuzz.py; tests/integrations/test_mmdet_gpu.py, test_mask2former_gpu.py
 #   sanitize                  compute-sanitizer memcheck, racecheck and synccheck (tools/sanitize_cases.py)
 #   bench graph               tools/benchmark_op.py (BENCH_ARGS); tools/cuda_graph_train_step.py
@@ -62,7 +62,7 @@ if has build; then
   fi
   run info 120 python3 -m mmdeform_tma.info
 fi
-for backend in cuda tma tma_ws; do
+for backend in cuda tma_ws; do
   if has tests || has "kernels_$backend"; then
     run "tests_$backend" ${TEST_TIMEOUT:-900} env MMDEFORM_TMA_TEST_BACKENDS=$backend $PYTEST tests/backends
   fi
@@ -78,7 +78,7 @@ if has integration; then
 fi
 if has sanitize; then
   for tool in memcheck racecheck synccheck; do
-    run "sanitize_$tool" ${SANITIZE_TIMEOUT:-300} compute-sanitizer --tool $tool --error-exitcode 1 python3 tools/sanitize_cases.py --backends ${SANITIZE_BACKENDS:-cuda tma tma_ws}
+    run "sanitize_$tool" ${SANITIZE_TIMEOUT:-300} compute-sanitizer --tool $tool --error-exitcode 1 python3 tools/sanitize_cases.py --backends ${SANITIZE_BACKENDS:-cuda tma_ws}
   done
 fi
 if has graph; then

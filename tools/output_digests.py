@@ -75,7 +75,7 @@ def compare(current: dict[str, str], base: dict[str, str]) -> list[str]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--backends", nargs="*", default=["cuda", "tma", "tma_ws"])
+    p.add_argument("--backends", nargs="*", default=["cuda", "tma_ws"])
     p.add_argument("--device", default=None, help="default: cuda if present, else cpu (the pytorch backend only)")
     p.add_argument("--out", type=Path, help="write the digests here (JSON)")
     p.add_argument("--compare", type=Path, help="a file written by --out with another build")

@@ -115,7 +115,7 @@ def main(argv=None) -> int:
     if args.backends is None:
         import mmdeform_tma
 
-        args.backends = [b for b in ("cuda", "tma", "tma_ws", "mmcv") if b in mmdeform_tma.available_backends("cuda")]
+        args.backends = [b for b in ("cuda", "tma_ws", "mmcv") if b in mmdeform_tma.available_backends("cuda")]
     if (args.backward_configs or args.forward_configs) and len(args.backends) != 1:
         p.error("--backward-configs / --forward-configs name configs of one backend: give exactly one in --backends")
     if args.backward_configs and args.forward_configs:

@@ -126,8 +126,9 @@ _TABLE = [
 ]
 CASES = [_case(i, *row) for i, row in enumerate(_TABLE)]
 
-# Estimate: seconds per (point x channel) of the slowest compiled backend on an H100 (docs/perf_notes.md,
-# encoder bs2: tma fp32 forward 1.13 ms, backward 1.82 ms over 165 M point-channels), uniform
+# Estimate: seconds per (point x channel) of the slowest compiled backend on an H100 when this was set
+# (docs/perf_notes.md, encoder bs2: the since retired `tma`, fp32 forward 1.13 ms, backward 1.82 ms over
+# 165 M point-channels; an upper bound for today's backends), uniform
 # sampling 2x, at least 25 us a call; plus set-up per timing (graph captures) and per case (inputs).
 SECONDS_PER_POINT_CHANNEL = {"forward": 7e-12, "backward": 11e-12}
 UNIFORM_FACTOR = 2.0

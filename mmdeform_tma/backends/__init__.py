@@ -4,12 +4,11 @@ from .base import Backend
 from .cuda import CudaBackend
 from .mmcv import MMCVBackend
 from .pytorch import PyTorchBackend
-from .tma import TmaBackend
 from .tma_ws import TmaWarpSpecializedBackend
 
 BACKENDS: dict[str, Backend] = {
     backend.name: backend
-    for backend in (TmaWarpSpecializedBackend(), TmaBackend(), CudaBackend(), MMCVBackend(), PyTorchBackend())
+    for backend in (TmaWarpSpecializedBackend(), CudaBackend(), MMCVBackend(), PyTorchBackend())
 }
 BACKEND_NAMES: tuple[str, ...] = tuple(BACKENDS)
 

@@ -1,7 +1,7 @@
 // The operator schema of mmdeform_tma, and what the extension was built with.
 //
 // Implementations register beside their kernels:
-//   CUDA       csrc/cuda/dispatch_cuda.cpp (routes to the cuda, tma and tma_ws kernels)
+//   CUDA       csrc/cuda/dispatch_cuda.cpp (routes to the cuda and tma_ws kernels)
 //   Autograd   csrc/autograd.cpp (C++, so a call's backward runs no Python)
 //   CPU, fake  mmdeform_tma/library.py (the CPU kernel is the PyTorch reference)
 #include <torch/extension.h>
@@ -23,7 +23,7 @@
 
 TORCH_LIBRARY(mmdeform_tma, m) {
   m.set_python_module("mmdeform_tma.library");
-  // `backend` names the kernel family ("cuda", "tma", "tma_ws" on CUDA; "pytorch" on CPU).
+  // `backend` names the kernel family ("cuda", "tma_ws" on CUDA; "pytorch" on CPU).
   // `config` indexes that family's kernel variants (kernel_configs); -1 lets the kernel choose.
   // The forward carries its backward's choice (None: the forward's backend), decided with the
   // forward's and per direction, so that autograd needs no lookup when the backward runs.

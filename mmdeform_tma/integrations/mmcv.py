@@ -6,7 +6,7 @@ object itself is patched in place (not replaced): `__init__` takes `backend` and
 dispatches through `mmdeform_tma.multi_scale_deformable_attn`. Parameters, their names and their
 initialisation are untouched, so state dicts load both ways with stock mmcv.
 
-`backend` is one of 'auto', 'tma_ws', 'tma', 'cuda', 'mmcv', 'pytorch'. `MMDEFORM_TMA_BACKEND`, when
+`backend` is one of 'auto', 'tma_ws', 'cuda', 'mmcv', 'pytorch'. `MMDEFORM_TMA_BACKEND`, when
 set, decides it for every module built in the process, whatever the config says: one switch to
 run the same config on another kernel. With neither, the module keeps mmcv's own forward exactly.
 The patched forward differs from mmcv's only where mmcv is wrong or slow: no host-synchronising
@@ -33,17 +33,14 @@ def install_error() -> str | None:
 
 def resolve_backend(backend: str | None) -> str | None:
     """The module's backend: MMDEFORM_TMA_BACKEND if set, else the argument, else None (mmcv's own)."""
-    from ..dispatch import BACKEND_CHOICES
+    from ..dispatch import BACKEND_CHOICES, unknown_backend_message
 
     if os.environ.get(ENV_VAR):
-        backend = os.environ[ENV_VAR]
-        source = f"{ENV_VAR}={backend!r}"
+        backend, source = os.environ[ENV_VAR], f"from {ENV_VAR}"
     else:
-        source = f"backend={backend!r}"
+        source = "from its backend argument"
     if backend is not None and backend not in BACKEND_CHOICES:
-        raise ValueError(
-            f"MultiScaleDeformableAttention: unknown {source}; valid names: {', '.join(BACKEND_CHOICES)}"
-        )
+        raise ValueError(f"MultiScaleDeformableAttention {source}: {unknown_backend_message(backend)}")
     return backend
 
 

@@ -41,8 +41,14 @@ def test_patch_is_in_place_and_idempotent():
 
 
 def test_unknown_backend_fails_at_construction_with_valid_names():
-    with pytest.raises(ValueError, match="unknown backend='triton'; valid names: auto, tma_ws, tma, cuda, mmcv, pytorch"):
+    with pytest.raises(ValueError, match="from its backend argument: unknown backend 'triton'; valid names: auto, tma_ws, cuda"):
         make("triton")
+
+
+def test_a_retired_backend_fails_at_construction_with_its_replacement(monkeypatch):
+    monkeypatch.setenv("MMDEFORM_TMA_BACKEND", "tma")
+    with pytest.raises(ValueError, match="from MMDEFORM_TMA_BACKEND: backend 'tma' no longer exists: .* use 'tma_ws'"):
+        make("tma_ws")
 
 
 def test_no_backend_keeps_mmcvs_forward():
@@ -113,7 +119,7 @@ def test_environment_variable_decides_every_module(monkeypatch):
     assert make(None).backend == "pytorch"
     assert make("tma_ws").backend == "pytorch"  # the process-wide switch wins over the config
     monkeypatch.setenv(integration.ENV_VAR, "nope")
-    with pytest.raises(ValueError, match="MMDEFORM_TMA_BACKEND='nope'"):
+    with pytest.raises(ValueError, match="from MMDEFORM_TMA_BACKEND: unknown backend 'nope'"):
         make(None)
 
 

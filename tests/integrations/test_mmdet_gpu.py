@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tools"))
 CONFIG = str(ROOT / "configs/synthetic/deformable-detr_r50_synthetic_tma-ws.py")
 DINO_CONFIG = str(ROOT / "configs/synthetic/dino-4scale_r50_synthetic_tma-ws.py")
-KERNEL_BACKENDS = ["mmcv", "cuda", "tma", "tma_ws"]
+KERNEL_BACKENDS = ["mmcv", "cuda", "tma_ws"]
 
 
 def skip_unless(backend, dtype=torch.float32):
@@ -152,7 +152,7 @@ def test_module_compiles_fullgraph(backend):
     torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("backend", ["cuda", "tma", "tma_ws"])
+@pytest.mark.parametrize("backend", ["cuda", "tma_ws"])
 def test_module_forward_backward_captures_in_a_cuda_graph(backend):
     skip_unless(backend)
     module = msda_module(backend)

@@ -277,13 +277,13 @@ def test_summarize_runs_medians_spread_and_ratio_to_stock():
         run("stock", False, 0, 200.0, 80.0), run("auto", True, 0, 100.0, 40.0),
         run("stock", False, 1, 220.0, 90.0), run("auto", True, 1, 130.0, 50.0),
         run("stock", False, 2, 240.0, 70.0), run("auto", True, 2, 110.0, 60.0),
-        benchmark_e2e.Result("tma", "amp-fp16", error="RuntimeError: no"),
+        benchmark_e2e.Result("cuda", "amp-fp16", error="RuntimeError: no"),
     ]
     rows = {r["label"]: r for r in benchmark_e2e.summarize_runs(results)}
     assert rows["stock"]["train_ms"] == 220.0 and (rows["stock"]["train_min"], rows["stock"]["train_max"]) == (200.0, 240.0)
     assert rows["auto+fast"]["train_ms"] == 110.0 and rows["auto+fast"]["train_vs_stock"] == pytest.approx(0.5)
     assert rows["auto+fast"]["infer_vs_stock"] == pytest.approx(50.0 / 80.0)
-    assert rows["stock"]["bound"] == "host" and rows["tma"]["error"] == "RuntimeError: no"
+    assert rows["stock"]["bound"] == "host" and rows["cuda"]["error"] == "RuntimeError: no"
 
 
 def test_phase_table_shows_the_wait_in_synchronisations_beside_launches_and_syncs():
@@ -498,7 +498,7 @@ ptxas info    : Used 72 registers, used 1 barriers, 2048 bytes smem, 384 bytes c
 
 def test_info_explains_every_backend():
     out = subprocess.run([sys.executable, "-m", "mmdeform_tma.info", "--device", "cpu"], capture_output=True, text=True, check=True).stdout
-    for name in ("tma_ws", "tma", "cuda", "mmcv", "pytorch"):
+    for name in ("tma_ws", "cuda", "mmcv", "pytorch"):
         assert f"    {name} " in out
     assert "pytorch  available" in out
     assert "not built" in out or "runs on cuda, not cpu" in out

@@ -48,9 +48,9 @@ def timing(backend, ms=None, error=None, direction="forward", ran=None, mode="cu
 
 def test_summary_names_the_fastest_and_auto_s_ratio():
     summary = sweep_backends.summarize_case(
-        [timing("cuda", 1.0), timing("tma", 2.0), timing("tma_ws", error="unavailable: channels"), timing("auto", 1.2, ran="tma")]
+        [timing("cuda", 1.0), timing("pytorch", 2.0), timing("tma_ws", error="unavailable: channels"), timing("auto", 1.2, ran="pytorch")]
     )
-    assert (summary["fastest"], summary["fastest_ms"], summary["auto_ms"], summary["auto_pick"]) == ("cuda", 1.0, 1.2, "tma")
+    assert (summary["fastest"], summary["fastest_ms"], summary["auto_ms"], summary["auto_pick"]) == ("cuda", 1.0, 1.2, "pytorch")
     assert summary["ratio"] == pytest.approx(1.2) and summary["within_target"] is False
     assert summary["unavailable"] == {"tma_ws": "unavailable: channels"}
     assert summary["same_timing_mode"] is True

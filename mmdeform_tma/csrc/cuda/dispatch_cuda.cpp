@@ -26,9 +26,8 @@ at::Tensor forward_cuda(
       value.contiguous(), spatial_shapes.contiguous(), level_start_index.contiguous(),
       sampling_locations.contiguous(), attention_weights.contiguous(), "ms_deform_attn_forward");
   if (backend == "cuda") return portable::forward(problem, config);
-  if (backend == "tma") return tma::forward(problem, config);
   if (backend == "tma_ws") return tma_ws::forward(problem, config);
-  TORCH_CHECK(false, "ms_deform_attn_forward: the CUDA kernels are 'cuda', 'tma' and 'tma_ws', not '", backend, "'");
+  TORCH_CHECK(false, "ms_deform_attn_forward: the CUDA kernels are 'cuda' and 'tma_ws', not '", backend, "'");
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cuda(
@@ -54,12 +53,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cuda(
   Gradients grads;
   if (backend == "cuda") {
     grads = portable::backward(problem, grad_output, config, deterministic);
-  } else if (backend == "tma") {
-    grads = tma::backward(problem, grad_output, config, deterministic);
   } else if (backend == "tma_ws") {
     grads = tma_ws::backward(problem, grad_output, config, deterministic);
   } else {
-    TORCH_CHECK(false, "ms_deform_attn_backward: the CUDA kernels are 'cuda', 'tma' and 'tma_ws', not '", backend, "'");
+    TORCH_CHECK(false, "ms_deform_attn_backward: the CUDA kernels are 'cuda' and 'tma_ws', not '", backend, "'");
   }
   auto& [grad_value, grad_locations, grad_weights] = grads;
   return {grad_value, grad_locations.to(sampling_locations.scalar_type()), grad_weights.to(attention_weights.scalar_type())};

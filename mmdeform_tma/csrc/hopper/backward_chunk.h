@@ -1,4 +1,4 @@
-// The bytes of a value row one lane moves in the Hopper backward kernels (`tma`, `tma_ws`).
+// The bytes of a value row one lane moves in the Hopper backward kernels (`tma_ws`).
 #pragma once
 
 #include <type_traits>

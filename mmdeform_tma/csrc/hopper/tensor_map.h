@@ -12,8 +12,7 @@ namespace hopper {
 
 // `value` [batch, num_keys, heads, channels] seen as a 2-D tensor of batch*num_keys rows ("keys")
 // by heads*channels columns. A box is `channels` columns (one head) by `box_keys` consecutive keys:
-// the two horizontally adjacent corners of a sampling point (`tma`), or one row of a window
-// (`tma_ws`). Keys outside [0, batch*num_keys) read as zeros. Level geometry is applied by the
+// one row of a window. Keys outside [0, batch*num_keys) read as zeros. Level geometry is applied by the
 // kernels, so the map needs no level shapes on the host (no synchronisation, CUDA-graph
 // capturable). Encoded per call; passed as a __grid_constant__.
 CUtensorMap value_tensor_map(const at::Tensor& value, int box_keys);
