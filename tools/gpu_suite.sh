@@ -9,7 +9,11 @@
 #                             once served an earlier build.)
 #   tests                     kernel tests per backend, then the rest of the suite
 #   kernels_tma_ws kernels_cuda  one backend's kernel tests
-#   fuzz integration          tests/test_fuzz.py; tests/integrations/test_mmdet_gpu.py, test_mask2former_gpu.py
+#   fuzz integration          tests/test_fuzz.py; tests/integrations/test_mmdet_gpu.py, test_batched_targets.py,
+#                             test_mask2former_gpu.py (about 420 s on a cold compile cache: the fast path's
+#                             seven compiled cases are most of it)
+#   host                      tools/benchmark_op.py --host-overhead over HOST_BACKENDS (default: auto tma_ws
+#                             cuda mmcv; the pytorch rows take most of the time and no target reads them)
 #   sanitize                  compute-sanitizer memcheck, racecheck and synccheck (tools/sanitize_cases.py)
 #   bench graph               tools/benchmark_op.py (BENCH_ARGS); tools/cuda_graph_train_step.py
 #   autotune                  tools/autotune.py over AUTOTUNE_BACKENDS (default tma_ws cuda), forward,
@@ -74,7 +78,8 @@ if has fuzz; then
   run fuzz ${TEST_TIMEOUT:-900} $PYTEST tests/test_fuzz.py
 fi
 if has integration; then
-  run integration ${TEST_TIMEOUT:-900} $PYTEST tests/integrations/test_mmdet_gpu.py tests/integrations/test_mask2former_gpu.py
+  run integration ${TEST_TIMEOUT:-900} $PYTEST tests/integrations/test_mmdet_gpu.py tests/integrations/test_batched_targets.py \
+    tests/integrations/test_mask2former_gpu.py
 fi
 if has sanitize; then
   for tool in memcheck racecheck synccheck; do
@@ -87,6 +92,10 @@ fi
 if has autotune; then
   run autotune ${AUTOTUNE_TIMEOUT:-900} python3 tools/autotune.py --backends ${AUTOTUNE_BACKENDS:-tma_ws cuda} \
     --directions forward backward backward-deterministic --report "$OUT/autotune.json" ${AUTOTUNE_ARGS:-}
+fi
+if has host; then
+  run host ${HOST_TIMEOUT:-300} python3 tools/benchmark_op.py --host-overhead --backends ${HOST_BACKENDS:-auto tma_ws cuda mmcv} \
+    --out "$OUT/host_overhead"
 fi
 if has bench; then
   run bench ${BENCH_TIMEOUT:-900} python3 tools/benchmark_op.py --out "$OUT/op" ${BENCH_ARGS:-}
