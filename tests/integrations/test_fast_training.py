@@ -496,7 +496,9 @@ class _Node:
 
 def test_freezing_keeps_later_garbage_collectable(unfrozen_heap):
     frozen = fast_training.freeze_long_lived_objects()
-    assert frozen == gc.get_freeze_count() > 0
+    # Only gc.freeze adds to the permanent generation; an object of it that any thread (a loader's
+    # pin-memory thread left by an earlier test) frees in between leaves it: never more, maybe fewer.
+    assert 0 < gc.get_freeze_count() <= frozen
     node = _Node()
     node.self = node  # a cycle made after the freeze: only a collection frees it
     ref = weakref.ref(node)
@@ -515,7 +517,7 @@ def test_compile_hook_freezes_the_heap_once_after_its_warm_up(unfrozen_heap, mon
         hook.after_train_iter(runner, batch_idx=0)
     assert calls == [] and hook.frozen_objects is None and gc.get_freeze_count() == 0
     hook.after_train_iter(runner, batch_idx=0)
-    assert calls == [1] and hook.frozen_objects == gc.get_freeze_count() > 0
+    assert calls == [1] and 0 < gc.get_freeze_count() <= hook.frozen_objects  # see the test above
     for _ in range(5):
         hook.after_train_iter(runner, batch_idx=0)
     assert calls == [1]  # once: later objects stay collectable
