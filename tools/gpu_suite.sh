@@ -6,12 +6,15 @@
 #                             from (setup.py and mmdeform_tma/csrc), and a later build of the same sources
 #                             copies it back instead: a device machine that stays warm between calls builds
 #                             once. (Not the commit: the device's copy of .git can be stale, and a stale key
-#                             once served an earlier build.)
+#                             once served an earlier build.) `python -m mmdeform_tma.info` follows a real build
+#                             only: a cached copy is the same extension, and info costs about 20 s a call.
 #   tests                     kernel tests per backend, then the rest of the suite
 #   kernels_tma_ws kernels_cuda  one backend's kernel tests
 #   fuzz integration          tests/test_fuzz.py; tests/integrations/test_mmdet_gpu.py, test_batched_targets.py,
-#                             test_mask2former_gpu.py (about 420 s on a cold compile cache: the fast path's
-#                             seven compiled cases are most of it)
+#                             test_mask2former_gpu.py (about 550 s on a cold compile cache: the fast path's
+#                             seven compiled cases are most of it, DINO's alone about 150 s). INTEGRATION_K
+#                             selects by pytest -k, so that the step splits over calls or GPUs, e.g.
+#                             "fast_path and not dino", "fast_path and dino", "not fast_path"
 #   host                      tools/benchmark_op.py --host-overhead over HOST_BACKENDS (default: auto tma_ws
 #                             cuda mmcv; the pytorch rows take most of the time and no target reads them)
 #   sanitize                  compute-sanitizer memcheck, racecheck and synccheck (tools/sanitize_cases.py)
@@ -28,7 +31,10 @@
 #                             (default 2: the second measures eager's run-to-run noise, the bound of
 #                             tools/compare_loss_curves.py --repeats), then tools/test.py of the fast
 #                             run's checkpoint, eager and --fast
-# Each step runs under `timeout`, so a hung kernel cannot take the whole run with it.
+# Each step runs under `timeout`, so a hung kernel cannot take the whole run with it. With CPUS set (a
+# taskset list such as 16-31) each step runs on those cores only: two suites on a machine of two GPUs,
+# one per GPU (CUDA_VISIBLE_DEVICES) and per half of the cores, keep out of each other's host time.
+# Every pytest run prints its slowest tests (--durations), which is what plans the next device call.
 set -u
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
@@ -41,7 +47,7 @@ run() {  # run NAME SECONDS CMD...
   shift 2
   echo "=== $name"
   local start=$SECONDS
-  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+  timeout "$limit" ${CPUS:+taskset -c "$CPUS"} "$@" >"$OUT/$name.log" 2>&1
   local rc=$?
   echo "    rc=$rc in $((SECONDS - start)) s  (log: $OUT/$name.log)"
   tail -n "${TAIL:-15}" "$OUT/$name.log"
@@ -49,7 +55,7 @@ run() {  # run NAME SECONDS CMD...
 }
 
 has() { [[ " $steps " == *" $1 "* || ( " $steps " == *" all "* && " build tests bench " == *" $1 "* ) ]]; }
-PYTEST="python3 -m pytest -q -rs -p no:cacheprovider --maxfail=20"
+PYTEST="python3 -m pytest -q -rs -p no:cacheprovider --maxfail=20 --durations=15"
 
 if has build; then
   sources=$(find setup.py mmdeform_tma/csrc -type f | LC_ALL=C sort | xargs cat | sha1sum | cut -c1-16)
@@ -63,8 +69,8 @@ if has build; then
     if [ -n "${BUILD_CACHE:-}" ] && ls mmdeform_tma/_C*.so >/dev/null 2>&1; then
       rm -rf "$BUILD_CACHE" && mkdir -p "$BUILD_CACHE" && cp mmdeform_tma/_C*.so "$BUILD_CACHE"/ && echo "$sources" >"$BUILD_CACHE/SOURCES"
     fi
+    run info 120 python3 -m mmdeform_tma.info
   fi
-  run info 120 python3 -m mmdeform_tma.info
 fi
 for backend in cuda tma_ws; do
   if has tests || has "kernels_$backend"; then
@@ -79,7 +85,7 @@ if has fuzz; then
 fi
 if has integration; then
   run integration ${TEST_TIMEOUT:-900} $PYTEST tests/integrations/test_mmdet_gpu.py tests/integrations/test_batched_targets.py \
-    tests/integrations/test_mask2former_gpu.py
+    tests/integrations/test_mask2former_gpu.py ${INTEGRATION_K:+-k "$INTEGRATION_K"}
 fi
 if has sanitize; then
   for tool in memcheck racecheck synccheck; do

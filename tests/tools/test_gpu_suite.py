@@ -20,6 +20,10 @@ def suite(tmp_path):
     fake = bin_dir / "python3"
     fake.write_text(f'#!/usr/bin/env bash\necho "${{MMDEFORM_TMA_TEST_BACKENDS:-}}| $*" >> "{calls}"\n')
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    # taskset: records its core list, then runs the command as the real one would
+    taskset = bin_dir / "taskset"
+    taskset.write_text(f'#!/usr/bin/env bash\necho "taskset $1 $2" >> "{calls}"\nshift 2\nexec "$@"\n')
+    taskset.chmod(taskset.stat().st_mode | stat.S_IEXEC)
 
     def run(*steps: str, **env: str) -> list[str]:
         calls.unlink(missing_ok=True)
@@ -63,3 +67,44 @@ def test_kernel_tests_cover_the_compiled_backends_only(suite):
     calls = suite("kernels_cuda", "kernels_tma_ws", "kernels_tma")
     assert [call.split("|")[0] for call in calls] == ["cuda", "tma_ws"]  # 'tma' was retired: no step runs it
     assert all("tests/backends" in call for call in calls)
+
+
+def test_integration_step_selects_tests_by_k_expression(suite):
+    (tests,) = suite("integration", INTEGRATION_K="fast_path and not dino")
+    assert tests.endswith("-k fast_path and not dino")
+    (everything,) = suite("integration")
+    assert " -k " not in everything
+
+
+def test_every_pytest_run_reports_its_slowest_tests(suite):
+    calls = suite("kernels_cuda", "integration")
+    assert len(calls) == 2 and all("--durations=" in call for call in calls)
+
+
+def test_cpus_pin_every_step_to_those_cores(suite):
+    calls = suite("integration", "host", CPUS="16-31")
+    assert calls[0::2] == ["taskset -c 16-31"] * 2  # each step's command follows its pinning
+    assert "test_mmdet_gpu.py" in calls[1] and "--host-overhead" in calls[3]
+    assert not any(call.startswith("taskset") for call in suite("host"))
+
+
+def source_key() -> str:
+    """The key gpu_suite.sh's build cache is kept under, computed as the script computes it."""
+    command = "find setup.py mmdeform_tma/csrc -type f | LC_ALL=C sort | xargs cat | sha1sum | cut -c1-16"
+    return subprocess.run(["bash", "-c", command], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+
+
+def test_info_follows_a_real_build_only(suite, tmp_path):
+    build, info = suite("build")
+    assert "pip install" in build and "-e ." in build and info.endswith("-m mmdeform_tma.info")
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "SOURCES").write_text(source_key() + "\n")
+    stand_in = "_C_gpu_suite_test_stand_in.so"  # not an importable name of the extension
+    (cache / stand_in).write_text("")
+    try:
+        assert suite("build", BUILD_CACHE=str(cache)) == []  # the cached extension, copied: no build, no info
+        assert (ROOT / "mmdeform_tma" / stand_in).exists()
+    finally:
+        (ROOT / "mmdeform_tma" / stand_in).unlink(missing_ok=True)
