@@ -35,6 +35,9 @@
 # taskset list such as 16-31) each step runs on those cores only: two suites on a machine of two GPUs,
 # one per GPU (CUDA_VISIBLE_DEVICES) and per half of the cores, keep out of each other's host time.
 # Every pytest run prints its slowest tests (--durations), which is what plans the next device call.
+# DEADLINE (seconds since the epoch: `$(( $(date +%s) + 570 ))`) caps every step's limit at the time
+# left before it, and skips a step with less than MIN_STEP_S (default 30) left, so that a device call
+# ends, with its logs, before the call's own limit kills everything at once.
 set -u
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
@@ -45,7 +48,16 @@ status=0
 run() {  # run NAME SECONDS CMD...
   local name=$1 limit=$2
   shift 2
-  echo "=== $name"
+  if [ -n "${DEADLINE:-}" ]; then
+    local left=$((DEADLINE - $(date +%s)))
+    if [ $left -lt ${MIN_STEP_S:-30} ]; then
+      echo "=== $name: not run, $left s left before DEADLINE"
+      status=1
+      return
+    fi
+    [ $left -lt $limit ] && limit=$left
+  fi
+  echo "=== $name (limit $limit s)"
   local start=$SECONDS
   timeout "$limit" ${CPUS:+taskset -c "$CPUS"} "$@" >"$OUT/$name.log" 2>&1
   local rc=$?
@@ -127,7 +139,7 @@ if has e2e; then
   done
 fi
 if has parity; then
-  [ -d data/synthetic_coco ] || python3 tools/make_synthetic_coco.py --out data/synthetic_coco >/dev/null
+  [ -d data/synthetic_coco ] || ${CPUS:+taskset -c "$CPUS"} python3 tools/make_synthetic_coco.py --out data/synthetic_coco >/dev/null
   options="train_cfg.max_epochs=1 default_hooks.logger.interval=1 log_processor.window_size=1 default_hooks.checkpoint.interval=1 randomness.seed=0"
   for model in ${PARITY_MODELS:-deformable-detr dino-4scale}; do
     config=configs/synthetic/${model}_r50_synthetic_tma-ws.py

@@ -1,37 +1,28 @@
 """tools/gpu_suite.sh on the CPU: which commands each step runs, with a stand-in python3 that
 records its arguments instead of running them."""
 
-import os
-import stat
+import re
 import subprocess
-from pathlib import Path
+import time
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
+from stand_in_commands import ROOT, StandIns
 
 
 @pytest.fixture
 def suite(tmp_path):
-    """Runs gpu_suite.sh STEPS with ENV; returns each command the stand-in python3 was given."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    calls = tmp_path / "calls.txt"
-    fake = bin_dir / "python3"
-    fake.write_text(f'#!/usr/bin/env bash\necho "${{MMDEFORM_TMA_TEST_BACKENDS:-}}| $*" >> "{calls}"\n')
-    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
-    # taskset: records its core list, then runs the command as the real one would
-    taskset = bin_dir / "taskset"
-    taskset.write_text(f'#!/usr/bin/env bash\necho "taskset $1 $2" >> "{calls}"\nshift 2\nexec "$@"\n')
-    taskset.chmod(taskset.stat().st_mode | stat.S_IEXEC)
+    """Runs gpu_suite.sh STEPS with ENV; returns each command the stand-in python3 was given, as
+    'MMDEFORM_TMA_TEST_BACKENDS| arguments', or 'cores|MMDEFORM_TMA_TEST_BACKENDS| arguments' where
+    a taskset pinned it."""
+    stand_ins = StandIns(tmp_path)
 
-    def run(*steps: str, **env: str) -> list[str]:
-        calls.unlink(missing_ok=True)
-        environment = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT": str(tmp_path / "out"), **env}
-        result = subprocess.run(["bash", "tools/gpu_suite.sh", *steps], cwd=ROOT, env=environment,
-                                capture_output=True, text=True)
-        assert result.returncode == 0, result.stdout + result.stderr
-        return calls.read_text().splitlines() if calls.exists() else []
+    def run(*steps: str, expect_rc: int = 0, printed: list | None = None, **env: str) -> list[str]:
+        calls, stdout = stand_ins.run("tools/gpu_suite.sh", *steps, env={"OUT": str(tmp_path / "out"), **env},
+                                      expect_rc=expect_rc)
+        if printed is not None:
+            printed.extend(stdout)
+        fields = [call.split("|", 2) for call in calls]
+        return [f"{cores}|{rest}" if cores else rest for _, cores, rest in fields]
 
     return run
 
@@ -82,10 +73,11 @@ def test_every_pytest_run_reports_its_slowest_tests(suite):
 
 
 def test_cpus_pin_every_step_to_those_cores(suite):
-    calls = suite("integration", "host", CPUS="16-31")
-    assert calls[0::2] == ["taskset -c 16-31"] * 2  # each step's command follows its pinning
-    assert "test_mmdet_gpu.py" in calls[1] and "--host-overhead" in calls[3]
-    assert not any(call.startswith("taskset") for call in suite("host"))
+    tests, host = suite("integration", "host", CPUS="16-31")
+    assert tests.startswith("16-31|") and "test_mmdet_gpu.py" in tests
+    assert host.startswith("16-31|") and "--host-overhead" in host
+    (host,) = suite("host")
+    assert host.startswith("| ")  # no pinning without CPUS
 
 
 def source_key() -> str:
@@ -108,3 +100,19 @@ def test_info_follows_a_real_build_only(suite, tmp_path):
         assert (ROOT / "mmdeform_tma" / stand_in).exists()
     finally:
         (ROOT / "mmdeform_tma" / stand_in).unlink(missing_ok=True)
+
+
+def test_deadline_caps_each_step_s_limit_and_skips_what_cannot_start(suite):
+    printed = []
+    (host,) = suite("host", DEADLINE=str(int(time.time()) + 100), printed=printed)
+    limit = int(re.search(r"=== host \(limit (\d+) s\)", "\n".join(printed)).group(1))
+    assert 90 <= limit <= 100  # capped at the time left, not the step's own 300 s
+
+    printed.clear()
+    calls = suite("host", "integration", DEADLINE=str(int(time.time()) + 10), expect_rc=1, printed=printed)
+    assert calls == []  # neither started: less than MIN_STEP_S left
+    assert sum("not run" in line and "left before DEADLINE" in line for line in printed) == 2
+
+    printed.clear()
+    suite("host", printed=printed)
+    assert "=== host (limit 300 s)" in printed

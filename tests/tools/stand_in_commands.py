@@ -1,0 +1,41 @@
+"""Stand-ins for the commands the device scripts (tools/gpu_suite.sh, tools/end_to_end_evidence.sh)
+run, so that their CPU tests see which commands each step runs without running them."""
+
+import os
+import stat
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def executable(path: Path, text: str) -> None:
+    path.write_text(text)
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+
+
+class StandIns:
+    """A folder of stand-in commands first on PATH. python3 records one line per call:
+    'CUDA_VISIBLE_DEVICES|cores|MMDEFORM_TMA_TEST_BACKENDS| arguments', where cores is the list a
+    taskset before it pinned the call to (empty: none); taskset runs the command so; nproc says 32."""
+
+    def __init__(self, tmp_path: Path):
+        self.bin = tmp_path / "bin"
+        self.bin.mkdir()
+        self.calls = tmp_path / "calls.txt"
+        executable(
+            self.bin / "python3",
+            '#!/usr/bin/env bash\n'
+            f'echo "${{CUDA_VISIBLE_DEVICES:-}}|${{PINNED_TO:-}}|${{MMDEFORM_TMA_TEST_BACKENDS:-}}| $*" >> "{self.calls}"\n',
+        )
+        executable(self.bin / "taskset", '#!/usr/bin/env bash\n[ "$1" = -c ] && export PINNED_TO=$2\nshift 2\nexec "$@"\n')
+        executable(self.bin / "nproc", "#!/usr/bin/env bash\necho 32\n")
+
+    def run(self, script: str, *args: str, env: dict, expect_rc: int = 0) -> tuple[list[str], list[str]]:
+        """Runs `bash script args` in the repository root; returns (the recorded calls, stdout's lines)."""
+        self.calls.unlink(missing_ok=True)
+        environment = {**os.environ, "PATH": f"{self.bin}:{os.environ['PATH']}", **env}
+        result = subprocess.run(["bash", script, *args], cwd=ROOT, env=environment, capture_output=True, text=True)
+        assert result.returncode == expect_rc, result.stdout + result.stderr
+        calls = self.calls.read_text().splitlines() if self.calls.exists() else []
+        return calls, result.stdout.splitlines()

@@ -1,0 +1,76 @@
+"""tools/end_to_end_evidence.sh on the CPU, with stand-in commands: what each of its three device
+calls runs, on which GPU and cores."""
+
+import tarfile
+
+import pytest
+from stand_in_commands import StandIns
+
+
+@pytest.fixture
+def evidence(tmp_path):
+    """Runs the script's call N; returns {'-': calls off the lanes, '0': lane E's, '1': lane T's}
+    (by CUDA_VISIBLE_DEVICES), each python3 call as 'cores| arguments' ('-': not pinned)."""
+    stand_ins = StandIns(tmp_path)
+
+    def run(*args: str, expect_rc: int = 0, **env: str) -> dict[str, list[str]]:
+        env = {"OUT": str(tmp_path / "out"), "BUILD_CACHE": str(tmp_path / "no_cache"), **env}
+        calls, _ = stand_ins.run("tools/end_to_end_evidence.sh", *args, env=env, expect_rc=expect_rc)
+        lanes: dict[str, list[str]] = {"-": [], "0": [], "1": []}
+        for call in calls:
+            gpu, cores, _, arguments = call.split("|", 3)
+            lanes[gpu or "-"].append(f"{cores or '-'}|{arguments}")
+        return lanes
+
+    return run
+
+
+def test_call_1_builds_measures_host_cost_alone_then_splits_tests_from_timing(evidence):
+    lanes = evidence("1")
+    build, info, host = lanes["-"]
+    assert "pip install" in build and "mmdeform_tma.info" in info and "--host-overhead" in host
+    assert all(call.startswith("-|") for call in lanes["-"])  # no lane: the machine to itself
+    (tests,) = lanes["1"]
+    assert "test_mmdet_gpu.py" in tests and tests.endswith("-k not (fast_path and dino)")
+    fast, paired = lanes["0"]
+    assert "deformable-detr" in fast and "--fast-backends auto" in fast
+    assert "deformable-detr" in paired and "--paired 5" in paired
+
+
+def test_lanes_take_a_gpu_and_half_of_the_cores_each(evidence):
+    for call in "123":
+        lanes = evidence(call)
+        assert lanes["0"] and {c.split("|")[0] for c in lanes["0"]} == {"0-15"}
+        assert lanes["1"] and {c.split("|")[0] for c in lanes["1"]} == {"16-31"}
+
+
+def test_call_2_runs_dino_s_rows_and_test_and_the_kernel_tests(evidence):
+    lanes = evidence("2")
+    assert not any("--host-overhead" in call for call in lanes["-"])
+    assert sum("tests/backends" in call for call in lanes["1"]) == 2  # cuda's and tma_ws's kernel tests
+    (tests,) = [call for call in lanes["1"] if "tests/integrations" in call]
+    assert tests.endswith("-k fast_path and dino")
+    fast, paired_dino, paired_mask2former = lanes["0"]
+    assert "dino-4scale" in fast and "--fast-backends auto" in fast
+    assert "dino-4scale" in paired_dino and "mask2former" in paired_mask2former
+    assert "--paired 5" in paired_mask2former
+
+
+def test_call_3_times_batch_8_beside_detr_s_loss_parity(evidence):
+    lanes = evidence("3")
+    (fast,) = lanes["0"]
+    assert "deformable-detr" in fast and fast.endswith("--batch 8")
+    assert any("tools/train.py" in call and "--fast" in call for call in lanes["1"])
+    assert any("compare_loss_curves.py" in call for call in lanes["1"])
+
+
+def test_results_are_packed_when_asked(evidence, tmp_path):
+    results = tmp_path / "results"
+    results.mkdir()
+    evidence("3", RESULTS=str(results))
+    with tarfile.open(results / "evidence_3.tgz") as packed:
+        assert any(name.endswith("lane_t.txt") for name in packed.getnames())
+
+
+def test_an_unknown_call_is_refused(evidence):
+    assert evidence("4", expect_rc=2) == {"-": [], "0": [], "1": []}

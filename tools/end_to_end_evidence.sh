@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# The end-to-end evidence set (issue 12: host cost, the fast and the default path against stock, the
+# GPU tests of the training paths, loss parity) on a machine of two GPUs, in three device calls of
+# under 600 s each. Lane E (GPU 0, the first half of the cores) runs everything that is timed; lane T
+# (GPU 1, the other half) the tests and parity, which time nothing. On one GPU the set needs about
+# 1,900 s, more than a session's device time (docs/perf_notes.md, "Session 22").
+#
+# Usage, from the repository root, after `source .deps/setup.sh`:
+#   RESULTS=$OUT bash tools/end_to_end_evidence.sh 1      # then 2, then 3, each call at once
+#   1: build and host cost (alone on the machine); T: the integration tests but DINO's fast-path case;
+#      E: Deformable DETR bs 2, the fast row, then the default path side by side with stock
+#   2: T: DINO's fast-path case, the kernel tests; E: DINO's fast row, then DINO's and Mask2Former's
+#      default path side by side with stock
+#   3: T: Deformable DETR's loss parity; E: Deformable DETR bs 8, the fast row
+# Every step's limit is capped by DEADLINE (default: CALL_SECONDS=570 from the start), so the call
+# ends with its logs; a step that cannot start in time says so. Logs go to OUT (default
+# /tmp/evidence_N), one folder per lane; with RESULTS set, OUT is packed into RESULTS/evidence_N.tgz.
+set -u
+call=${1:?which call: 1, 2 or 3}
+case $call in 1 | 2 | 3) ;; *) echo "unknown call $call: 1, 2 or 3" >&2; exit 2 ;; esac
+export DEADLINE=${DEADLINE:-$(($(date +%s) + ${CALL_SECONDS:-570}))}
+export E2E_PAIRED_ROUNDS=${E2E_PAIRED_ROUNDS:-5} BUILD_CACHE=${BUILD_CACHE:-/tmp/evidence_build}
+OUT=${OUT:-/tmp/evidence_$call}
+mkdir -p "$OUT"
+cores=$(nproc)
+half=$((cores / 2))
+SUITE="bash tools/gpu_suite.sh"
+LANE_E="env CUDA_VISIBLE_DEVICES=0 CPUS=0-$((half - 1))"
+LANE_T="env CUDA_VISIBLE_DEVICES=1 CPUS=$half-$((cores - 1))"
+DETR=deformable-detr
+MASK2FORMER=configs/mask2former/mask2former_r50_8xb2-lsj-50e_coco-panoptic_tma-ws.py
+
+# the extension first (a cached copy on a warm machine), host cost with the machine to itself
+if [ "$call" = 1 ]; then
+  OUT=$OUT $SUITE build host
+else
+  OUT=$OUT $SUITE build
+fi
+
+case $call in
+  1)
+    $LANE_T OUT="$OUT/t" INTEGRATION_K="not (fast_path and dino)" $SUITE integration >"$OUT/lane_t.txt" 2>&1 &
+    $LANE_E OUT="$OUT/e" E2E_MODELS=$DETR E2E_ROWS=fast $SUITE e2e
+    $LANE_E OUT="$OUT/e" E2E_MODELS=$DETR E2E_ROWS=paired $SUITE e2e
+    ;;
+  2)
+    $LANE_T OUT="$OUT/t" INTEGRATION_K="fast_path and dino" $SUITE integration kernels_cuda kernels_tma_ws \
+      >"$OUT/lane_t.txt" 2>&1 &
+    $LANE_E OUT="$OUT/e" E2E_MODELS=dino-4scale E2E_ROWS=fast $SUITE e2e
+    $LANE_E OUT="$OUT/e" E2E_MODELS="dino-4scale $MASK2FORMER" E2E_ROWS=paired $SUITE e2e
+    ;;
+  3)
+    $LANE_T OUT="$OUT/t" PARITY_MODELS=$DETR $SUITE parity >"$OUT/lane_t.txt" 2>&1 &
+    $LANE_E OUT="$OUT/e8" E2E_MODELS=$DETR E2E_ROWS=fast E2E_ARGS="--batch 8" $SUITE e2e
+    ;;
+esac
+wait
+echo "=== lane T (GPU 1)"
+cat "$OUT/lane_t.txt"
+if [ -n "${RESULTS:-}" ]; then
+  tar czf "$RESULTS/evidence_$call.tgz" -C "$(dirname "$OUT")" "$(basename "$OUT")"
+fi
