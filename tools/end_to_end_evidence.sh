@@ -19,7 +19,7 @@ set -u
 call=${1:?which call: 1, 2 or 3}
 case $call in 1 | 2 | 3) ;; *) echo "unknown call $call: 1, 2 or 3" >&2; exit 2 ;; esac
 export DEADLINE=${DEADLINE:-$(($(date +%s) + ${CALL_SECONDS:-570}))}
-export E2E_PAIRED_ROUNDS=${E2E_PAIRED_ROUNDS:-5} BUILD_CACHE=${BUILD_CACHE:-/tmp/evidence_build}
+export E2E_PAIRED_ROUNDS=${E2E_PAIRED_ROUNDS:-5} BUILD_CACHE=${BUILD_CACHE-/tmp/evidence_build}
 OUT=${OUT:-/tmp/evidence_$call}
 mkdir -p "$OUT"
 cores=$(nproc)

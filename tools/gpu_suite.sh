@@ -73,7 +73,10 @@ if has build; then
   sources=$(find setup.py mmdeform_tma/csrc -type f | LC_ALL=C sort | xargs cat | sha1sum | cut -c1-16)
   if [ -n "${BUILD_CACHE:-}" ] && [ "$(cat "$BUILD_CACHE/SOURCES" 2>/dev/null)" = "$sources" ]; then
     echo "=== build: the cached extension of sources $sources ($BUILD_CACHE)"
-    cp "$BUILD_CACHE"/_C*.so mmdeform_tma/
+    for so in "$BUILD_CACHE"/_C*.so; do  # by rename: a process that has the old file mapped keeps it whole
+      name=$(basename "$so")
+      cp "$so" "mmdeform_tma/.$name.copy" && mv -f "mmdeform_tma/.$name.copy" "mmdeform_tma/$name"
+    done
     export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the warm machine's editable install may point here too
   else
     run build ${BUILD_TIMEOUT:-600} env MMDEFORM_TMA_PTXAS_VERBOSE=1 python3 -m pip install --no-deps --no-build-isolation -v -e .

@@ -4,7 +4,7 @@ calls runs, on which GPU and cores."""
 import tarfile
 
 import pytest
-from stand_in_commands import StandIns
+from stand_in_commands import ROOT, StandIns
 
 
 @pytest.fixture
@@ -14,7 +14,8 @@ def evidence(tmp_path):
     stand_ins = StandIns(tmp_path)
 
     def run(*args: str, expect_rc: int = 0, **env: str) -> dict[str, list[str]]:
-        env = {"OUT": str(tmp_path / "out"), "BUILD_CACHE": str(tmp_path / "no_cache"), **env}
+        # no build cache: a cached copy would be written over the extension this process has loaded
+        env = {"OUT": str(tmp_path / "out"), "BUILD_CACHE": "", **env}
         calls, _ = stand_ins.run("tools/end_to_end_evidence.sh", *args, env=env, expect_rc=expect_rc)
         lanes: dict[str, list[str]] = {"-": [], "0": [], "1": []}
         for call in calls:
@@ -38,10 +39,12 @@ def test_call_1_builds_measures_host_cost_alone_then_splits_tests_from_timing(ev
 
 
 def test_lanes_take_a_gpu_and_half_of_the_cores_each(evidence):
+    extension = {path: path.stat().st_mtime_ns for path in (ROOT / "mmdeform_tma").glob("_C*.so")}
     for call in "123":
         lanes = evidence(call)
         assert lanes["0"] and {c.split("|")[0] for c in lanes["0"]} == {"0-15"}
         assert lanes["1"] and {c.split("|")[0] for c in lanes["1"]} == {"16-31"}
+    assert extension == {path: path.stat().st_mtime_ns for path in (ROOT / "mmdeform_tma").glob("_C*.so")}
 
 
 def test_call_2_runs_dino_s_rows_and_test_and_the_kernel_tests(evidence):
