@@ -9,8 +9,8 @@
 #   RESULTS=$OUT bash tools/end_to_end_evidence.sh 1      # then 2, then 3, each call at once
 #   1: build and host cost (alone on the machine); T: the integration tests but DINO's fast-path case;
 #      E: Deformable DETR bs 2, the fast row, then the default path side by side with stock
-#   2: T: DINO's fast-path case, the kernel tests; E: DINO's fast row, then DINO's and Mask2Former's
-#      default path side by side with stock
+#   2: T: the kernel tests, DINO's fast-path case, the other GPU tests (gpu_suite.sh unit); E: DINO's
+#      fast row, then DINO's and Mask2Former's default path side by side with stock
 #   3: T: Deformable DETR's loss parity; E: Deformable DETR bs 8, the fast row
 # Every step's limit is capped by DEADLINE (default: CALL_SECONDS=570 from the start), so the call
 # ends with its logs; a step that cannot start in time says so. Logs go to OUT (default
@@ -44,7 +44,7 @@ case $call in
     $LANE_E OUT="$OUT/e" E2E_MODELS=$DETR E2E_ROWS=paired $SUITE e2e
     ;;
   2)
-    $LANE_T OUT="$OUT/t" INTEGRATION_K="fast_path and dino" $SUITE integration kernels_cuda kernels_tma_ws \
+    $LANE_T OUT="$OUT/t" INTEGRATION_K="fast_path and dino" $SUITE kernels_cuda kernels_tma_ws integration unit \
       >"$OUT/lane_t.txt" 2>&1 &
     $LANE_E OUT="$OUT/e" E2E_MODELS=dino-4scale E2E_ROWS=fast $SUITE e2e
     $LANE_E OUT="$OUT/e" E2E_MODELS="dino-4scale $MASK2FORMER" E2E_ROWS=paired $SUITE e2e

@@ -10,6 +10,8 @@
 #                             only: a cached copy is the same extension, and info costs about 20 s a call.
 #   tests                     kernel tests per backend, then the rest of the suite
 #   kernels_tma_ws kernels_cuda  one backend's kernel tests
+#   unit                      the tests outside tests/backends, tests/integrations and test_fuzz.py: the
+#                             operator, its dispatch and the tools, whose GPU cases skip on the CPU
 #   fuzz integration          tests/test_fuzz.py; tests/integrations/test_mmdet_gpu.py, test_batched_targets.py,
 #                             test_mask2former_gpu.py (about 550 s on a cold compile cache: the fast path's
 #                             seven compiled cases are most of it, DINO's alone about 150 s). INTEGRATION_K
@@ -101,6 +103,9 @@ fi
 if has integration; then
   run integration ${TEST_TIMEOUT:-900} $PYTEST tests/integrations/test_mmdet_gpu.py tests/integrations/test_batched_targets.py \
     tests/integrations/test_mask2former_gpu.py ${INTEGRATION_K:+-k "$INTEGRATION_K"}
+fi
+if has unit; then
+  run unit ${TEST_TIMEOUT:-900} $PYTEST tests --ignore=tests/backends --ignore=tests/integrations --ignore=tests/test_fuzz.py
 fi
 if has sanitize; then
   for tool in memcheck racecheck synccheck; do

@@ -50,9 +50,10 @@ def test_lanes_take_a_gpu_and_half_of_the_cores_each(evidence):
 def test_call_2_runs_dino_s_rows_and_test_and_the_kernel_tests(evidence):
     lanes = evidence("2")
     assert not any("--host-overhead" in call for call in lanes["-"])
-    assert sum("tests/backends" in call for call in lanes["1"]) == 2  # cuda's and tma_ws's kernel tests
-    (tests,) = [call for call in lanes["1"] if "tests/integrations" in call]
+    assert sum(call.endswith(" tests/backends") for call in lanes["1"]) == 2  # cuda's and tma_ws's kernel tests
+    (tests,) = [call for call in lanes["1"] if "tests/integrations/" in call]
     assert tests.endswith("-k fast_path and dino")
+    assert any("--ignore=tests/integrations" in call for call in lanes["1"])  # the other GPU tests
     fast, paired_dino, paired_mask2former = lanes["0"]
     assert "dino-4scale" in fast and "--fast-backends auto" in fast
     assert "dino-4scale" in paired_dino and "mask2former" in paired_mask2former

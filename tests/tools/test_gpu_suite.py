@@ -116,3 +116,8 @@ def test_deadline_caps_each_step_s_limit_and_skips_what_cannot_start(suite):
     printed.clear()
     suite("host", printed=printed)
     assert "=== host (limit 300 s)" in printed
+
+
+def test_unit_step_runs_the_suite_outside_the_kernel_integration_and_fuzz_tests(suite):
+    (unit,) = suite("unit")
+    assert " tests --ignore=tests/backends --ignore=tests/integrations --ignore=tests/test_fuzz.py" in unit
