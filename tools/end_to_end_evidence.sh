@@ -18,6 +18,11 @@
 set -u
 call=${1:?which call: 1, 2 or 3}
 case $call in 1 | 2 | 3) ;; *) echo "unknown call $call: 1, 2 or 3" >&2; exit 2 ;; esac
+gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+if [ "$gpus" -lt 2 ]; then  # lane T would find no GPU 1, and its tests would all skip
+  echo "end_to_end_evidence.sh needs two GPUs; nvidia-smi lists $gpus (run gpu_suite.sh's steps one by one on one)" >&2
+  exit 2
+fi
 export DEADLINE=${DEADLINE:-$(($(date +%s) + ${CALL_SECONDS:-570}))}
 export E2E_PAIRED_ROUNDS=${E2E_PAIRED_ROUNDS:-5} BUILD_CACHE=${BUILD_CACHE-/tmp/evidence_build}
 OUT=${OUT:-/tmp/evidence_$call}

@@ -46,6 +46,10 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
 steps=${*:-all}
 status=0
+if [ -n "${CPUS:-}" ] && ! command -v taskset >/dev/null; then
+  echo "CPUS=$CPUS: this machine has no taskset; the steps run on every core"
+  CPUS=
+fi
 
 run() {  # run NAME SECONDS CMD...
   local name=$1 limit=$2

@@ -30,11 +30,29 @@ class StandIns:
         )
         executable(self.bin / "taskset", '#!/usr/bin/env bash\n[ "$1" = -c ] && export PINNED_TO=$2\nshift 2\nexec "$@"\n')
         executable(self.bin / "nproc", "#!/usr/bin/env bash\necho 32\n")
+        self.gpus(2)
+
+    def gpus(self, count: int) -> None:
+        """nvidia-smi -L lists `count` GPUs."""
+        lines = "".join(f"echo 'GPU {i}: NVIDIA H100 80GB HBM3 (UUID: GPU-{i})'\n" for i in range(count))
+        executable(self.bin / "nvidia-smi", "#!/usr/bin/env bash\n" + lines)
+
+    def without(self, command: str, tmp_path: Path) -> str:
+        """A PATH of this folder and the system's commands, less `command` (its stand-in too)."""
+        (self.bin / command).unlink(missing_ok=True)
+        system = tmp_path / "system_bin"
+        system.mkdir(exist_ok=True)
+        for folder in os.environ["PATH"].split(os.pathsep):
+            for entry in Path(folder).glob("*") if Path(folder).is_dir() else ():
+                link = system / entry.name
+                if entry.name != command and not link.exists() and not link.is_symlink():
+                    link.symlink_to(entry)
+        return f"{self.bin}:{system}"
 
     def run(self, script: str, *args: str, env: dict, expect_rc: int = 0) -> tuple[list[str], list[str]]:
         """Runs `bash script args` in the repository root; returns (the recorded calls, stdout's lines)."""
         self.calls.unlink(missing_ok=True)
-        environment = {**os.environ, "PATH": f"{self.bin}:{os.environ['PATH']}", **env}
+        environment = {**os.environ, "PATH": f"{self.bin}:{os.environ['PATH']}", **env}  # env may set PATH
         result = subprocess.run(["bash", script, *args], cwd=ROOT, env=environment, capture_output=True, text=True)
         assert result.returncode == expect_rc, result.stdout + result.stderr
         calls = self.calls.read_text().splitlines() if self.calls.exists() else []

@@ -76,5 +76,12 @@ def test_results_are_packed_when_asked(evidence, tmp_path):
         assert any(name.endswith("lane_t.txt") for name in packed.getnames())
 
 
+def test_one_gpu_is_refused(tmp_path):
+    stand_ins = StandIns(tmp_path)
+    stand_ins.gpus(1)
+    calls, _ = stand_ins.run("tools/end_to_end_evidence.sh", "1", env={"OUT": str(tmp_path / "out")}, expect_rc=2)
+    assert calls == []  # nothing built or run: lane T would have had no GPU
+
+
 def test_an_unknown_call_is_refused(evidence):
     assert evidence("4", expect_rc=2) == {"-": [], "0": [], "1": []}
