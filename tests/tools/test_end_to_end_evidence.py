@@ -32,7 +32,7 @@ def test_call_1_builds_measures_host_cost_alone_then_splits_tests_from_timing(ev
     assert "pip install" in build and "mmdeform_tma.info" in info and "--host-overhead" in host
     assert all(call.startswith("-|") for call in lanes["-"])  # no lane: the machine to itself
     (tests,) = lanes["1"]
-    assert "test_mmdet_gpu.py" in tests and tests.endswith("-k not (fast_path and dino)")
+    assert "test_mmdet_gpu.py" in tests and tests.endswith("-k not (fast_path and (dino or layers)) and not mask2former")
     fast, paired = lanes["0"]
     assert "deformable-detr" in fast and "--fast-backends auto" in fast
     assert "deformable-detr" in paired and "--paired 5" in paired
@@ -47,23 +47,23 @@ def test_lanes_take_a_gpu_and_half_of_the_cores_each(evidence):
     assert extension == {path: path.stat().st_mtime_ns for path in (ROOT / "mmdeform_tma").glob("_C*.so")}
 
 
-def test_call_2_runs_dino_s_rows_and_test_and_the_kernel_tests(evidence):
+def test_call_2_runs_dino_s_rows_and_the_rest_of_the_integration_tests(evidence):
     lanes = evidence("2")
     assert not any("--host-overhead" in call for call in lanes["-"])
-    assert sum(call.endswith(" tests/backends") for call in lanes["1"]) == 2  # cuda's and tma_ws's kernel tests
-    (tests,) = [call for call in lanes["1"] if "tests/integrations/" in call]
-    assert tests.endswith("-k fast_path and dino")
-    assert any("--ignore=tests/integrations" in call for call in lanes["1"])  # the other GPU tests
+    tests, unit = lanes["1"]
+    assert tests.endswith("-k (fast_path and (dino or layers)) or mask2former")  # the rest of call 1's
+    assert "--ignore=tests/integrations" in unit  # the other GPU tests
     fast, paired_dino, paired_mask2former = lanes["0"]
     assert "dino-4scale" in fast and "--fast-backends auto" in fast
     assert "dino-4scale" in paired_dino and "mask2former" in paired_mask2former
     assert "--paired 5" in paired_mask2former
 
 
-def test_call_3_times_batch_8_beside_detr_s_loss_parity(evidence):
+def test_call_3_times_batch_8_beside_the_kernel_tests_and_detr_s_loss_parity(evidence):
     lanes = evidence("3")
     (fast,) = lanes["0"]
     assert "deformable-detr" in fast and fast.endswith("--batch 8")
+    assert [call.endswith(" tests/backends") for call in lanes["1"][:2]] == [True, True]  # cuda, tma_ws
     assert any("tools/train.py" in call and "--fast" in call for call in lanes["1"])
     assert any("compare_loss_curves.py" in call for call in lanes["1"])
 
