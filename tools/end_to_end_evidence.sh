@@ -16,6 +16,7 @@
 # Every step's limit is capped by DEADLINE (default: CALL_SECONDS=570 from the start), so the call
 # ends with its logs; a step that cannot start in time says so. Logs go to OUT (default
 # /tmp/evidence_N), one folder per lane; with RESULTS set, OUT is packed into RESULTS/evidence_N.tgz.
+# Each call ends with tools/e2e_targets.py's table of the rows so far (OUT/targets.md).
 set -u
 call=${1:?which call: 1, 2 or 3}
 case $call in 1 | 2 | 3) ;; *) echo "unknown call $call: 1, 2 or 3" >&2; exit 2 ;; esac
@@ -63,6 +64,13 @@ esac
 wait
 echo "=== lane T (GPU 1)"
 cat "$OUT/lane_t.txt"
+# this call's rows and those of the calls before it on this machine, against the issue's targets
+earlier=()
+for folder in "$(dirname "$OUT")"/evidence_*; do
+  [ -d "$folder" ] && [ "$folder" != "$OUT" ] && earlier+=("$folder")
+done
+echo "=== the targets (tools/e2e_targets.py)"
+python3 tools/e2e_targets.py "$OUT" ${earlier[@]+"${earlier[@]}"} | tee "$OUT/targets.md"
 if [ -n "${RESULTS:-}" ]; then
   tar czf "$RESULTS/evidence_$call.tgz" -C "$(dirname "$OUT")" "$(basename "$OUT")"
 fi

@@ -28,7 +28,7 @@ def evidence(tmp_path):
 
 def test_call_1_builds_measures_host_cost_alone_then_splits_tests_from_timing(evidence):
     lanes = evidence("1")
-    build, info, host = lanes["-"]
+    build, info, host, targets = lanes["-"]
     assert "pip install" in build and "mmdeform_tma.info" in info and "--host-overhead" in host
     assert all(call.startswith("-|") for call in lanes["-"])  # no lane: the machine to itself
     (tests,) = lanes["1"]
@@ -36,6 +36,13 @@ def test_call_1_builds_measures_host_cost_alone_then_splits_tests_from_timing(ev
     fast, paired = lanes["0"]
     assert "deformable-detr" in fast and "--fast-backends auto" in fast
     assert "deformable-detr" in paired and "--paired 5" in paired
+
+
+def test_each_call_ends_with_the_targets_of_its_rows_and_the_earlier_calls(evidence, tmp_path):
+    (tmp_path / "evidence_1").mkdir()  # call 1's folder on this machine
+    lanes = evidence("2", OUT=str(tmp_path / "evidence_2"))
+    targets = lanes["-"][-1]
+    assert f"tools/e2e_targets.py {tmp_path / 'evidence_2'} {tmp_path / 'evidence_1'}" in targets
 
 
 def test_lanes_take_a_gpu_and_half_of_the_cores_each(evidence):
