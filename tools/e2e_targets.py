@@ -32,7 +32,9 @@ FAST_INFER_TARGET = 0.80
 MODELS = ("deformable-detr", "dino-4scale", "mask2former")
 HOST_BACKENDS_WITH_TARGET = ("auto", "tma_ws", "cuda")
 # what the issue asks to be measured: `auto`'s host cost, in both dtypes and directions
-REQUIRED_HOST = [("auto", dtype, direction) for dtype in ("float32", "float16") for direction in ("forward", "forward+backward")]
+REQUIRED_HOST = [
+    ("auto", dtype, direction) for dtype in ("float32", "float16") for direction in ("forward", "forward+backward")
+]
 MET, NOISE, MISSED, NONE = "met", "within noise", "**missed**", "-"
 
 
@@ -71,10 +73,8 @@ def fast_rows(data: dict, source: str) -> list[Row]:
     model, batch = model_name(env["config"]), env["batch"]
     rows = []
     for fast in (r for r in data["results"] if r.get("fast") and not r.get("error")):
-        stock = next(
-            (r for r in data["results"] if r["backend"] == "stock" and not r.get("fast") and r["precision"] == fast["precision"]),
-            None,
-        )
+        stocks = [r for r in data["results"] if r["backend"] == "stock" and not r.get("fast")]
+        stock = next((r for r in stocks if r["precision"] == fast["precision"]), None)
         if stock is None or median_ms(stock, "train_ms") is None or median_ms(fast, "train_ms") is None:
             continue
         train = median_ms(fast, "train_ms") / median_ms(stock, "train_ms")
@@ -106,6 +106,14 @@ def fast_rows(data: dict, source: str) -> list[Row]:
     return rows
 
 
+def rounds_cell(p: dict, phase: str) -> str:
+    """'median (smallest-largest; rounds slower)' of a paired result's `phase` ratios."""
+    return (
+        f"{p[f'{phase}_ratio']:.3f} ({p[f'{phase}_ratio_min']:.3f}-{p[f'{phase}_ratio_max']:.3f}; "
+        f"{p[f'{phase}_rounds_slower']})"
+    )
+
+
 def paired_rows(data: dict, source: str) -> list[Row]:
     env = data["environment"]
     rows = []
@@ -119,9 +127,9 @@ def paired_rows(data: dict, source: str) -> list[Row]:
                     f"{model_name(env['config'])} bs {env['batch']}",
                     p["precision"],
                     str(p["rounds"]),
-                    f"{p['train_ratio']:.3f} ({p['train_ratio_min']:.3f}-{p['train_ratio_max']:.3f}; {p['train_rounds_slower']})",
+                    rounds_cell(p, "train"),
                     train,
-                    f"{p['infer_ratio']:.3f} ({p['infer_ratio_min']:.3f}-{p['infer_ratio_max']:.3f}; {p['infer_rounds_slower']})",
+                    rounds_cell(p, "infer"),
                     infer,
                     f"{env.get('commit', '?')}, {env.get('device', '?')}",
                     source,
@@ -201,19 +209,20 @@ def summarize(paths: list[str]) -> tuple[str, bool]:
             host += host_rows(data, file.name)
     out = []
     if fast:
-        out += ["## The fast path against stock", "", *table(
-            ["model", "precision", "stock ms (GPU)", "fast ms (GPU)", "train", "target", "inference", "target", "run", "file"],
-            fast), ""]
+        header = ["model", "precision", "stock ms (GPU)", "fast ms (GPU)", "train", "target", "inference", "target"]
+        out += ["## The fast path against stock", "", *table([*header, "run", "file"], fast), ""]
     if paired:
+        header = ["model", "precision", "rounds", "train", "never slower", "inference", "never slower", "run", "file"]
         out += ["## The default path side by side with stock", "",
-                "Median of the per-round ratios (smallest-largest; rounds slower than stock).", "", *table(
-            ["model", "precision", "rounds", "train", "never slower", "inference", "never slower", "run", "file"], paired), ""]
+                "Median of the per-round ratios (smallest-largest; rounds slower than stock).", "",
+                *table(header, paired), ""]
     if host:
-        out += ["## Host cost of one call against mmcv's function", "", *table(
-            ["backend", "dtype", "direction", "median us", "vs mmcv", "target", "run", "file"], host), ""]
-    missing = [f"the fast row of {model} bs {batch}" for model, batch in FAST_TRAIN_TARGETS if (model, batch) not in {r.key for r in fast}]
-    missing += [f"the paired rows of {model}" for model in MODELS if model not in {r.key for r in paired}]
-    missing += [f"the host cost of {' '.join(key)}" for key in REQUIRED_HOST if key not in {r.key for r in host}]
+        header = ["backend", "dtype", "direction", "median us", "vs mmcv", "target", "run", "file"]
+        out += ["## Host cost of one call against mmcv's function", "", *table(header, host), ""]
+    found = {row.key for row in fast + paired + host}
+    missing = [f"the fast row of {m} bs {b}" for m, b in FAST_TRAIN_TARGETS if (m, b) not in found]
+    missing += [f"the paired rows of {model}" for model in MODELS if model not in found]
+    missing += [f"the host cost of {' '.join(key)}" for key in REQUIRED_HOST if key not in found]
     if missing:
         out += ["## Not found", "", *[f"- {item}" for item in missing], ""]
     ok = not missing and not any(row.verdict == MISSED for row in fast + paired + host)

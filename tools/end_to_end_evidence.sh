@@ -22,7 +22,7 @@ call=${1:?which call: 1, 2 or 3}
 case $call in 1 | 2 | 3) ;; *) echo "unknown call $call: 1, 2 or 3" >&2; exit 2 ;; esac
 gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
 if [ "$gpus" -lt 2 ]; then  # lane T would find no GPU 1, and its tests would all skip
-  echo "end_to_end_evidence.sh needs two GPUs; nvidia-smi lists $gpus (run gpu_suite.sh's steps one by one on one)" >&2
+  echo "end_to_end_evidence.sh needs two GPUs; nvidia-smi lists $gpus (on one, run gpu_suite.sh's steps)" >&2
   exit 2
 fi
 export DEADLINE=${DEADLINE:-$(($(date +%s) + ${CALL_SECONDS:-570}))}
@@ -46,7 +46,8 @@ fi
 
 case $call in
   1)
-    $LANE_T OUT="$OUT/t" INTEGRATION_K="not (fast_path and (dino or layers)) and not mask2former" $SUITE integration >"$OUT/lane_t.txt" 2>&1 &
+    $LANE_T OUT="$OUT/t" INTEGRATION_K="not (fast_path and (dino or layers)) and not mask2former" $SUITE integration \
+      >"$OUT/lane_t.txt" 2>&1 &
     $LANE_E OUT="$OUT/e" E2E_MODELS=$DETR E2E_ROWS=fast $SUITE e2e
     $LANE_E OUT="$OUT/e" E2E_MODELS=$DETR E2E_ROWS=paired $SUITE e2e
     ;;

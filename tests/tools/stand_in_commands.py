@@ -26,9 +26,12 @@ class StandIns:
         executable(
             self.bin / "python3",
             '#!/usr/bin/env bash\n'
-            f'echo "${{CUDA_VISIBLE_DEVICES:-}}|${{PINNED_TO:-}}|${{MMDEFORM_TMA_TEST_BACKENDS:-}}| $*" >> "{self.calls}"\n',
+            'echo "${CUDA_VISIBLE_DEVICES:-}|${PINNED_TO:-}|${MMDEFORM_TMA_TEST_BACKENDS:-}| $*"'
+            f' >> "{self.calls}"\n',
         )
-        executable(self.bin / "taskset", '#!/usr/bin/env bash\n[ "$1" = -c ] && export PINNED_TO=$2\nshift 2\nexec "$@"\n')
+        executable(
+            self.bin / "taskset", '#!/usr/bin/env bash\n[ "$1" = -c ] && export PINNED_TO=$2\nshift 2\nexec "$@"\n'
+        )
         executable(self.bin / "nproc", "#!/usr/bin/env bash\necho 32\n")
         self.gpus(2)
 

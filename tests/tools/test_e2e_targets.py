@@ -13,6 +13,9 @@ sys.path.insert(0, str(ROOT / "tools"))
 import e2e_targets  # noqa: E402
 
 MEASURED = ROOT / "docs" / "measurements"
+DETR = "configs/synthetic/deformable-detr_r50_synthetic_tma-ws.py"
+DINO = "configs/synthetic/dino-4scale_r50_synthetic_tma-ws.py"
+MASK2FORMER = "configs/mask2former/mask2former_r50_8xb2-lsj-50e_coco-panoptic_tma-ws.py"
 SESSION_22 = [
     "e2e_detr_bs2_h100_0bfe516.json",
     "e2e_dino_bs2_stock_only_h100_0bfe516.json",
@@ -57,15 +60,17 @@ def e2e_run(config: str, batch: int, stock_ms: float, fast_ms: float, infer=(50.
 
 
 def paired_run(config: str, train: tuple, infer: tuple) -> dict:
-    median, smallest = train
+    def ratios(phase, median, smallest):
+        return {f"{phase}_ratio": median, f"{phase}_ratio_min": smallest, f"{phase}_ratio_max": median + 0.1,
+                f"{phase}_rounds_slower": 0}
+
     return {
         "environment": {"config": config, "batch": 2, "commit": "abc1234", "device": "GPU"},
         "results": [{"backend": "stock", "train_ms": {"median_ms": 1.0}}],
-        "paired_ratios": [{
-            "label": "auto", "precision": "amp-fp16", "rounds": 5,
-            "train_ratio": median, "train_ratio_min": smallest, "train_ratio_max": median + 0.1, "train_rounds_slower": 0,
-            "infer_ratio": infer[0], "infer_ratio_min": infer[1], "infer_ratio_max": infer[0] + 0.1, "infer_rounds_slower": 0,
-        }],
+        "paired_ratios": [
+            {"label": "auto", "precision": "amp-fp16", "rounds": 5, **ratios("train", *train),
+             **ratios("infer", *infer)}
+        ],
     }
 
 
@@ -75,14 +80,14 @@ def write(tmp_path: Path, name: str, data: dict) -> str:
 
 
 def test_a_fast_row_above_its_target_is_missed(tmp_path):
-    path = write(tmp_path, "dino.json", e2e_run("configs/synthetic/dino-4scale_r50_synthetic_tma-ws.py", 2, 300.0, 210.0))
+    path = write(tmp_path, "dino.json", e2e_run(DINO, 2, 300.0, 210.0))
     report, ok = e2e_targets.summarize([path])
     assert not ok
     assert "0.700x | 0.65x: **missed**" in row_of(report, "dino-4scale bs 2")
 
 
 def test_a_batch_without_a_target_is_shown_without_one(tmp_path):
-    path = write(tmp_path, "detr4.json", e2e_run("configs/synthetic/deformable-detr_r50_synthetic_tma-ws.py", 4, 300.0, 290.0))
+    path = write(tmp_path, "detr4.json", e2e_run(DETR, 4, 300.0, 290.0))
     report, _ = e2e_targets.summarize([path])
     assert "0.967x | - | 0.600x | - |" in row_of(report, "deformable-detr bs 4")
 
@@ -93,20 +98,17 @@ def test_a_batch_without_a_target_is_shown_without_one(tmp_path):
     ids=["faster", "slower-within-noise", "slower-every-round"],
 )
 def test_paired_rows_are_never_slower_beyond_noise(tmp_path, train, verdict):
-    path = write(tmp_path, "paired.json", paired_run("configs/synthetic/deformable-detr_r50_synthetic_tma-ws.py", train, (0.9, 0.8)))
+    path = write(tmp_path, "paired.json", paired_run(DETR, train, (0.9, 0.8)))
     report, _ = e2e_targets.summarize([path])
     cells = [cell.strip() for cell in row_of(report, "| deformable-detr bs 2 |").split("|")]
     assert cells[5] == verdict and cells[7] == "met"
 
 
 def test_every_asked_for_row_met_exits_zero(tmp_path, capsys):
-    detr = "configs/synthetic/deformable-detr_r50_synthetic_tma-ws.py"
-    dino = "configs/synthetic/dino-4scale_r50_synthetic_tma-ws.py"
-    mask2former = "configs/mask2former/mask2former_r50_8xb2-lsj-50e_coco-panoptic_tma-ws.py"
-    write(tmp_path, "a.json", e2e_run(detr, 2, 250.0, 130.0))
-    write(tmp_path, "b.json", e2e_run(dino, 2, 380.0, 200.0))
-    write(tmp_path, "c.json", e2e_run(detr, 8, 500.0, 200.0))
-    for i, config in enumerate((detr, dino, mask2former)):
+    write(tmp_path, "a.json", e2e_run(DETR, 2, 250.0, 130.0))
+    write(tmp_path, "b.json", e2e_run(DINO, 2, 380.0, 200.0))
+    write(tmp_path, "c.json", e2e_run(DETR, 8, 500.0, 200.0))
+    for i, config in enumerate((DETR, DINO, MASK2FORMER)):
         write(tmp_path, f"p{i}.json", paired_run(config, (0.9, 0.8), (0.95, 0.9)))
     shutil.copy(MEASURED / "host_overhead_h100_0bfe516.json", tmp_path / "host.json")
     (tmp_path / "unrelated.json").write_text(json.dumps({"rows": [1, 2]}))  # e.g. a sweep: left alone

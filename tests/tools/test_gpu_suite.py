@@ -126,6 +126,7 @@ def test_unit_step_runs_the_suite_outside_the_kernel_integration_and_fuzz_tests(
 def test_cpus_without_taskset_run_unpinned_and_say_so(tmp_path):
     stand_ins = StandIns(tmp_path)
     path = stand_ins.without("taskset", tmp_path)
-    calls, printed = stand_ins.run("tools/gpu_suite.sh", "host", env={"OUT": str(tmp_path / "out"), "CPUS": "0-7", "PATH": path})
+    env = {"OUT": str(tmp_path / "out"), "CPUS": "0-7", "PATH": path}
+    calls, printed = stand_ins.run("tools/gpu_suite.sh", "host", env=env)
     assert len(calls) == 1 and calls[0].split("|")[1] == "" and "--host-overhead" in calls[0]
     assert any("no taskset" in line for line in printed)
