@@ -16,7 +16,7 @@
 #                             test_mask2former_gpu.py (about 550 s on a cold compile cache: the fast path's
 #                             seven compiled cases are most of it, DINO's alone about 150 s). INTEGRATION_K
 #                             selects by pytest -k, so that the step splits over calls or GPUs, e.g.
-#                             "fast_path and not dino", "fast_path and dino", "not fast_path"
+#                             "not fast_path" and "fast_path" (tools/end_to_end_evidence.sh splits it so)
 #   host                      tools/benchmark_op.py --host-overhead over HOST_BACKENDS (default: auto tma_ws
 #                             cuda mmcv; the pytorch rows take most of the time and no target reads them)
 #   sanitize                  compute-sanitizer memcheck, racecheck and synccheck (tools/sanitize_cases.py)
