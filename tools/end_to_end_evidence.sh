@@ -8,15 +8,22 @@
 # Usage, from the repository root, after `source .deps/setup.sh`:
 #   RESULTS=$OUT bash tools/end_to_end_evidence.sh 1      # then 2, then 3, each call at once
 #   1: build and host cost (alone on the machine); T: the integration tests but Mask2Former's and three
-#      fast-path cases (DINO's, and Deformable DETR's two of scope 'layers'); E: Deformable DETR bs 2,
-#      the fast row, then the default path side by side with stock
+#      fast-path cases (DINO's, and Deformable DETR's two of scope 'layers'), then Deformable DETR's two
+#      eager runs of loss parity; E: Deformable DETR bs 2, the fast row, then the default path side by
+#      side with stock
 #   2: T: those three fast-path cases, Mask2Former's tests, the other GPU tests (gpu_suite.sh unit);
 #      E: DINO's fast row, then DINO's and Mask2Former's default path side by side with stock
-#   3: T: the kernel tests, then Deformable DETR's loss parity; E: Deformable DETR bs 8, the fast row
+#   3: T: Deformable DETR's fast run of loss parity, the comparison and tools/test.py; E: Deformable
+#      DETR bs 8, the fast row, then the kernel tests (timing nothing, after the row)
+# Durations measured on an H100 x2 (docs/perf_notes.md, "Session 23"): the fast parity run alone is
+# about 350 s, which is why the eager runs go to call 1. The parity runs live in PARITY_WORK
+# (/tmp/evidence_parity), which a machine kept warm between the calls keeps.
 # Every step's limit is capped by DEADLINE (default: CALL_SECONDS=570 from the start), so the call
-# ends with its logs; a step that cannot start in time says so. Logs go to OUT (default
-# /tmp/evidence_N), one folder per lane; with RESULTS set, OUT is packed into RESULTS/evidence_N.tgz.
-# Each call ends with tools/e2e_targets.py's table of the rows so far (OUT/targets.md).
+# ends with its logs; a step that cannot start in time says so. Logs go to EVIDENCE_DIR (default
+# /tmp/evidence_N; not OUT, which the device tool sets to the folder that comes back), one folder per
+# lane; with RESULTS set, the logs and tables (not the checkpoints) are packed into
+# RESULTS/evidence_N.tgz. Each call ends with tools/e2e_targets.py's table of the rows so far
+# (EVIDENCE_DIR/targets.md).
 set -u
 call=${1:?which call: 1, 2 or 3}
 case $call in 1 | 2 | 3) ;; *) echo "unknown call $call: 1, 2 or 3" >&2; exit 2 ;; esac
@@ -27,8 +34,9 @@ if [ "$gpus" -lt 2 ]; then  # lane T would find no GPU 1, and its tests would al
 fi
 export DEADLINE=${DEADLINE:-$(($(date +%s) + ${CALL_SECONDS:-570}))}
 export E2E_PAIRED_ROUNDS=${E2E_PAIRED_ROUNDS:-5} BUILD_CACHE=${BUILD_CACHE-/tmp/evidence_build}
-OUT=${OUT:-/tmp/evidence_$call}
+OUT=${EVIDENCE_DIR:-/tmp/evidence_$call}
 mkdir -p "$OUT"
+export PARITY_WORK=${PARITY_WORK:-$(dirname "$OUT")/evidence_parity}
 cores=$(nproc)
 half=$((cores / 2))
 SUITE="bash tools/gpu_suite.sh"
@@ -46,8 +54,8 @@ fi
 
 case $call in
   1)
-    $LANE_T OUT="$OUT/t" INTEGRATION_K="not (fast_path and (dino or layers)) and not mask2former" $SUITE integration \
-      >"$OUT/lane_t.txt" 2>&1 &
+    $LANE_T OUT="$OUT/t" INTEGRATION_K="not (fast_path and (dino or layers)) and not mask2former" PARITY_MODELS=$DETR \
+      PARITY_PARTS=eager $SUITE integration parity >"$OUT/lane_t.txt" 2>&1 &
     $LANE_E OUT="$OUT/e" E2E_MODELS=$DETR E2E_ROWS=fast $SUITE e2e
     $LANE_E OUT="$OUT/e" E2E_MODELS=$DETR E2E_ROWS=paired $SUITE e2e
     ;;
@@ -58,8 +66,9 @@ case $call in
     $LANE_E OUT="$OUT/e" E2E_MODELS="dino-4scale $MASK2FORMER" E2E_ROWS=paired $SUITE e2e
     ;;
   3)
-    $LANE_T OUT="$OUT/t" PARITY_MODELS=$DETR $SUITE kernels_cuda kernels_tma_ws parity >"$OUT/lane_t.txt" 2>&1 &
+    $LANE_T OUT="$OUT/t" PARITY_MODELS=$DETR PARITY_PARTS="fast compare test" $SUITE parity >"$OUT/lane_t.txt" 2>&1 &
     $LANE_E OUT="$OUT/e8" E2E_MODELS=$DETR E2E_ROWS=fast E2E_ARGS="--batch 8" $SUITE e2e
+    $LANE_E OUT="$OUT/e8" $SUITE kernels_cuda kernels_tma_ws
     ;;
 esac
 wait
@@ -67,11 +76,12 @@ echo "=== lane T (GPU 1)"
 cat "$OUT/lane_t.txt"
 # this call's rows and those of the calls before it on this machine, against the issue's targets
 earlier=()
-for folder in "$(dirname "$OUT")"/evidence_*; do
+for folder in "$(dirname "$OUT")"/evidence_[0-9]*; do
   [ -d "$folder" ] && [ "$folder" != "$OUT" ] && earlier+=("$folder")
 done
 echo "=== the targets (tools/e2e_targets.py)"
 python3 tools/e2e_targets.py "$OUT" ${earlier[@]+"${earlier[@]}"} | tee "$OUT/targets.md"
 if [ -n "${RESULTS:-}" ]; then
-  tar czf "$RESULTS/evidence_$call.tgz" -C "$(dirname "$OUT")" "$(basename "$OUT")"
+  # the logs and tables; the checkpoints (over 1 GB a parity run) would not come back from the device
+  tar czf "$RESULTS/evidence_$call.tgz" --exclude='*.pth' -C "$(dirname "$OUT")" "$(basename "$OUT")"
 fi

@@ -32,7 +32,9 @@
 #                             model on the synthetic set (PARITY_MODELS), eager PARITY_EAGER_RUNS times
 #                             (default 2: the second measures eager's run-to-run noise, the bound of
 #                             tools/compare_loss_curves.py --repeats), then tools/test.py of the fast
-#                             run's checkpoint, eager and --fast
+#                             run's checkpoint, eager and --fast. PARITY_PARTS (default "eager fast compare
+#                             test") names the parts to run, and PARITY_WORK (default $OUT/work) holds the
+#                             runs, so that the parts split over device calls on a machine that stays warm
 # Each step runs under `timeout`, so a hung kernel cannot take the whole run with it. With CPUS set (a
 # taskset list such as 16-31) each step runs on those cores only: two suites on a machine of two GPUs,
 # one per GPU (CUDA_VISIBLE_DEVICES) and per half of the cores, keep out of each other's host time.
@@ -153,28 +155,38 @@ fi
 if has parity; then
   [ -d data/synthetic_coco ] || ${CPUS:+taskset -c "$CPUS"} python3 tools/make_synthetic_coco.py --out data/synthetic_coco >/dev/null
   options="train_cfg.max_epochs=1 default_hooks.logger.interval=1 log_processor.window_size=1 default_hooks.checkpoint.interval=1 randomness.seed=0"
+  parts=" ${PARITY_PARTS:-eager fast compare test} "
+  work=${PARITY_WORK:-$OUT/work}
   for model in ${PARITY_MODELS:-deformable-detr dino-4scale}; do
     config=configs/synthetic/${model}_r50_synthetic_tma-ws.py
     [ -f "$config" ] || config=$model  # a config path
     model=$(basename "$config" .py)
-    run "train_${model}_eager" ${PARITY_TIMEOUT:-600} python3 tools/train.py "$config" --amp fp16 \
-      --work-dir "$OUT/work/$model-eager" --cfg-options $options
-    run "train_${model}_fast" ${PARITY_TIMEOUT:-600} python3 tools/train.py "$config" --amp fp16 --fast \
-      --work-dir "$OUT/work/$model-fast" --cfg-options $options
     # eager again, same seed: the run-to-run noise that the fast run's offset is judged against
     repeats=()
     for i in $(seq 2 $(( ${PARITY_EAGER_RUNS:-2} ))); do
-      run "train_${model}_eager_$i" ${PARITY_TIMEOUT:-600} python3 tools/train.py "$config" --amp fp16 \
-        --work-dir "$OUT/work/$model-eager-$i" --cfg-options $options
-      repeats+=("$OUT/work/$model-eager-$i")
+      repeats+=("$work/$model-eager-$i")
     done
-    run "parity_$model" 120 python3 tools/compare_loss_curves.py "$OUT/work/$model-eager" "$OUT/work/$model-fast" \
-      ${repeats[@]:+--repeats "${repeats[@]}"} --out "$OUT/loss_parity_$model"
-    for mode in eager fast; do
-      flag=$([ $mode = fast ] && echo --fast)
-      run "test_${model}_$mode" ${PARITY_TIMEOUT:-600} python3 tools/test.py "$config" "$OUT/work/$model-fast/epoch_1.pth" \
-        $flag --work-dir "$OUT/work/test-$model-$mode"
-    done
+    if [[ $parts == *" eager "* ]]; then
+      for eager in "$work/$model-eager" ${repeats[@]+"${repeats[@]}"}; do
+        run "train_$(basename "$eager")" ${PARITY_TIMEOUT:-600} python3 tools/train.py "$config" --amp fp16 \
+          --work-dir "$eager" --cfg-options $options
+      done
+    fi
+    if [[ $parts == *" fast "* ]]; then
+      run "train_${model}-fast" ${PARITY_TIMEOUT:-600} python3 tools/train.py "$config" --amp fp16 --fast \
+        --work-dir "$work/$model-fast" --cfg-options $options
+    fi
+    if [[ $parts == *" compare "* ]]; then
+      run "parity_$model" 120 python3 tools/compare_loss_curves.py "$work/$model-eager" "$work/$model-fast" \
+        ${repeats[@]:+--repeats "${repeats[@]}"} --out "$OUT/loss_parity_$model"
+    fi
+    if [[ $parts == *" test "* ]]; then
+      for mode in eager fast; do
+        flag=$([ $mode = fast ] && echo --fast)
+        run "test_${model}_$mode" ${PARITY_TIMEOUT:-600} python3 tools/test.py "$config" "$work/$model-fast/epoch_1.pth" \
+          $flag --work-dir "$work/test-$model-$mode"
+      done
+    fi
   done
 fi
 exit $status

@@ -2,11 +2,25 @@
 run, so that their CPU tests see which commands each step runs without running them."""
 
 import os
+import re
 import stat
 import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+SCRIPTS = ("tools/gpu_suite.sh", "tools/end_to_end_evidence.sh")
+# what the shell itself sets, not a setting of the scripts
+SHELL_VARIABLES = {"PATH", "PWD", "SECONDS", "PYTHONPATH", "HOME"}
+
+
+def script_settings() -> set[str]:
+    """The environment variables the device scripts and the stand-ins read. A device call's own
+    environment sets some (OUT, CUDA_VISIBLE_DEVICES, and those of a lane, when these tests run
+    on the device), and none may leak into the runs under test."""
+    names = {"CUDA_VISIBLE_DEVICES", "MMDEFORM_TMA_TEST_BACKENDS", "PINNED_TO"}
+    for script in SCRIPTS:
+        names |= set(re.findall(r"\$\{?([A-Z][A-Z0-9_]+)", (ROOT / script).read_text()))
+    return names - SHELL_VARIABLES
 
 
 def executable(path: Path, text: str) -> None:
@@ -55,7 +69,9 @@ class StandIns:
     def run(self, script: str, *args: str, env: dict, expect_rc: int = 0) -> tuple[list[str], list[str]]:
         """Runs `bash script args` in the repository root; returns (the recorded calls, stdout's lines)."""
         self.calls.unlink(missing_ok=True)
-        environment = {**os.environ, "PATH": f"{self.bin}:{os.environ['PATH']}", **env}  # env may set PATH
+        settings = script_settings()
+        clean = {name: value for name, value in os.environ.items() if name not in settings}
+        environment = {**clean, "PATH": f"{self.bin}:{os.environ['PATH']}", **env}  # env may set PATH
         result = subprocess.run(["bash", script, *args], cwd=ROOT, env=environment, capture_output=True, text=True)
         assert result.returncode == expect_rc, result.stdout + result.stderr
         calls = self.calls.read_text().splitlines() if self.calls.exists() else []

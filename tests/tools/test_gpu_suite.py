@@ -130,3 +130,32 @@ def test_cpus_without_taskset_run_unpinned_and_say_so(tmp_path):
     calls, printed = stand_ins.run("tools/gpu_suite.sh", "host", env=env)
     assert len(calls) == 1 and calls[0].split("|")[1] == "" and "--host-overhead" in calls[0]
     assert any("no taskset" in line for line in printed)
+
+
+def test_parity_parts_split_over_calls_in_one_work_folder(suite, tmp_path):
+    work = tmp_path / "parity"
+
+    def parity(parts: str) -> list[str]:
+        calls = suite("parity", PARITY_MODELS="deformable-detr", PARITY_PARTS=parts, PARITY_WORK=str(work))
+        return [call for call in calls if "make_synthetic_coco.py" not in call]
+
+    runs = work / "deformable-detr_r50_synthetic_tma-ws"
+    eager, repeat = parity("eager")
+    assert f"--work-dir {runs}-eager " in eager and f"--work-dir {runs}-eager-2 " in repeat
+    assert "--fast" not in eager + repeat
+    fast, compare, test_eager, test_fast = parity("fast compare test")
+    assert "tools/train.py" in fast and f"--fast --work-dir {runs}-fast " in fast
+    assert f"{runs}-eager {runs}-fast --repeats {runs}-eager-2" in compare
+    assert f"{runs}-fast/epoch_1.pth" in test_eager and "--fast" not in test_eager and "--fast" in test_fast
+    assert len(parity("eager fast compare test")) == 6
+
+
+def test_a_device_call_s_environment_does_not_reach_the_runs_under_test(suite, monkeypatch):
+    """These tests run on the device too (gpu_suite.sh unit, in a lane): its OUT, DEADLINE, CPUS,
+    CUDA_VISIBLE_DEVICES and RESULTS once made eleven of them fail there (session 23)."""
+    clean = suite("host", "integration", "parity")
+    lane = {"CPUS": "16-31", "CUDA_VISIBLE_DEVICES": "1", "DEADLINE": str(int(time.time()) + 40), "RESULTS": "/x",
+            "INTEGRATION_K": "mask2former", "PARITY_PARTS": "fast", "MMDEFORM_TMA_TEST_BACKENDS": "cuda"}
+    for name, value in lane.items():
+        monkeypatch.setenv(name, value)
+    assert suite("host", "integration", "parity") == clean
