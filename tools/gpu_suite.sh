@@ -20,6 +20,11 @@
 #   host                      tools/benchmark_op.py --host-overhead over HOST_BACKENDS (default: auto tma_ws
 #                             cuda mmcv; the pytorch rows take most of the time and no target reads them)
 #   sanitize                  compute-sanitizer memcheck, racecheck and synccheck (tools/sanitize_cases.py)
+#   dcnv4                     DCNv4's wheel, for `benchmark_op.py --compare dcnv4`: built from
+#                             DCNV4_SDIST (default .deps/DCNv4-1.0.0.post2.tar.gz; about 6 min with 16 jobs)
+#                             into DCNV4_WHEELS (default /tmp/dcnv4_wheels) unless a wheel is there already,
+#                             then installed into /tmp/site (setup.sh's PYTHONPATH). A wheel brought back
+#                             through $OUT and carried in an ignored folder saves the build next time
 #   bench graph               tools/benchmark_op.py (BENCH_ARGS); tools/cuda_graph_train_step.py
 #   autotune                  tools/autotune.py over AUTOTUNE_BACKENDS (default tma_ws cuda), forward,
 #                             backward and the deterministic backward; rewrites this GPU's table
@@ -128,6 +133,24 @@ fi
 if has host; then
   run host ${HOST_TIMEOUT:-300} python3 tools/benchmark_op.py --host-overhead --backends ${HOST_BACKENDS:-auto tma_ws cuda mmcv} \
     --out "$OUT/host_overhead"
+fi
+if has dcnv4; then
+  wheels=${DCNV4_WHEELS:-/tmp/dcnv4_wheels}
+  sdist=${DCNV4_SDIST:-.deps/DCNv4-1.0.0.post2.tar.gz}
+  if ! compgen -G "$wheels/*.whl" >/dev/null; then
+    if [ -f "$sdist" ]; then
+      source_dir=/tmp/dcnv4_source
+      rm -rf "$source_dir" && mkdir -p "$source_dir" && tar xzf "$sdist" -C "$source_dir"
+      run dcnv4_build ${DCNV4_TIMEOUT:-540} python3 -m pip wheel --no-deps --no-build-isolation -w "$wheels" \
+        "$source_dir"/*/
+    else
+      echo "=== dcnv4: no wheel in $wheels and no sdist at $sdist (copy ../shared/device to .deps)"
+      status=1
+    fi
+  fi
+  if compgen -G "$wheels/*.whl" >/dev/null; then
+    run dcnv4_install 120 python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/site "$wheels"/*.whl
+  fi
 fi
 if has bench; then
   run bench ${BENCH_TIMEOUT:-900} python3 tools/benchmark_op.py --out "$OUT/op" ${BENCH_ARGS:-}

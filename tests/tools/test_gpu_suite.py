@@ -3,6 +3,7 @@ records its arguments instead of running them."""
 
 import re
 import subprocess
+import tarfile
 import time
 
 import pytest
@@ -159,3 +160,32 @@ def test_a_device_call_s_environment_does_not_reach_the_runs_under_test(suite, m
     for name, value in lane.items():
         monkeypatch.setenv(name, value)
     assert suite("host", "integration", "parity") == clean
+
+
+def test_dcnv4_step_installs_a_wheel_it_has_without_building(suite, tmp_path):
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    (wheels / "dcnv4-1.0.0.post2-cp312-cp312-linux_x86_64.whl").write_bytes(b"wheel")
+    (install,) = suite("dcnv4", DCNV4_WHEELS=str(wheels))
+    assert "-m pip install" in install and "--target /tmp/site" in install
+    assert install.endswith(f"{wheels}/dcnv4-1.0.0.post2-cp312-cp312-linux_x86_64.whl")
+
+
+def test_dcnv4_step_builds_the_wheel_from_the_sdist(suite, tmp_path):
+    package = tmp_path / "DCNv4-1.0.0.post2"
+    package.mkdir()
+    (package / "setup.py").write_text("")
+    sdist = tmp_path / "DCNv4-1.0.0.post2.tar.gz"
+    with tarfile.open(sdist, "w:gz") as archive:
+        archive.add(package, arcname=package.name)
+    wheels = tmp_path / "wheels"
+    (build,) = suite("dcnv4", DCNV4_WHEELS=str(wheels), DCNV4_SDIST=str(sdist))  # the stand-in builds none
+    assert f"-m pip wheel --no-deps --no-build-isolation -w {wheels} /tmp/dcnv4_source/DCNv4-1.0.0.post2/" in build
+
+
+def test_dcnv4_step_without_wheel_or_sdist_says_so(suite, tmp_path):
+    printed = []
+    calls = suite("dcnv4", DCNV4_WHEELS=str(tmp_path / "none"), DCNV4_SDIST=str(tmp_path / "missing.tar.gz"),
+                  expect_rc=1, printed=printed)
+    assert calls == []
+    assert any("no wheel" in line and "no sdist" in line for line in printed)
