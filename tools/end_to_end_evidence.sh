@@ -34,9 +34,9 @@ if [ "$gpus" -lt 2 ]; then  # lane T would find no GPU 1, and its tests would al
 fi
 export DEADLINE=${DEADLINE:-$(($(date +%s) + ${CALL_SECONDS:-570}))}
 export E2E_PAIRED_ROUNDS=${E2E_PAIRED_ROUNDS:-5} BUILD_CACHE=${BUILD_CACHE-/tmp/evidence_build}
-OUT=${EVIDENCE_DIR:-/tmp/evidence_$call}
-mkdir -p "$OUT"
-export PARITY_WORK=${PARITY_WORK:-$(dirname "$OUT")/evidence_parity}
+evidence=${EVIDENCE_DIR:-/tmp/evidence_$call}
+mkdir -p "$evidence"
+export PARITY_WORK=${PARITY_WORK:-$(dirname "$evidence")/evidence_parity}
 cores=$(nproc)
 half=$((cores / 2))
 SUITE="bash tools/gpu_suite.sh"
@@ -47,41 +47,41 @@ MASK2FORMER=configs/mask2former/mask2former_r50_8xb2-lsj-50e_coco-panoptic_tma-w
 
 # the extension first (a cached copy on a warm machine), host cost with the machine to itself
 if [ "$call" = 1 ]; then
-  OUT=$OUT $SUITE build host
+  OUT=$evidence $SUITE build host
 else
-  OUT=$OUT $SUITE build
+  OUT=$evidence $SUITE build
 fi
 
 case $call in
   1)
-    $LANE_T OUT="$OUT/t" INTEGRATION_K="not (fast_path and (dino or layers)) and not mask2former" PARITY_MODELS=$DETR \
-      PARITY_PARTS=eager $SUITE integration parity >"$OUT/lane_t.txt" 2>&1 &
-    $LANE_E OUT="$OUT/e" E2E_MODELS=$DETR E2E_ROWS=fast $SUITE e2e
-    $LANE_E OUT="$OUT/e" E2E_MODELS=$DETR E2E_ROWS=paired $SUITE e2e
+    $LANE_T OUT="$evidence/t" INTEGRATION_K="not (fast_path and (dino or layers)) and not mask2former" PARITY_MODELS=$DETR \
+      PARITY_PARTS=eager $SUITE integration parity >"$evidence/lane_t.txt" 2>&1 &
+    $LANE_E OUT="$evidence/e" E2E_MODELS=$DETR E2E_ROWS=fast $SUITE e2e
+    $LANE_E OUT="$evidence/e" E2E_MODELS=$DETR E2E_ROWS=paired $SUITE e2e
     ;;
   2)
-    $LANE_T OUT="$OUT/t" INTEGRATION_K="(fast_path and (dino or layers)) or mask2former" $SUITE integration unit \
-      >"$OUT/lane_t.txt" 2>&1 &
-    $LANE_E OUT="$OUT/e" E2E_MODELS=dino-4scale E2E_ROWS=fast $SUITE e2e
-    $LANE_E OUT="$OUT/e" E2E_MODELS="dino-4scale $MASK2FORMER" E2E_ROWS=paired $SUITE e2e
+    $LANE_T OUT="$evidence/t" INTEGRATION_K="(fast_path and (dino or layers)) or mask2former" $SUITE integration unit \
+      >"$evidence/lane_t.txt" 2>&1 &
+    $LANE_E OUT="$evidence/e" E2E_MODELS=dino-4scale E2E_ROWS=fast $SUITE e2e
+    $LANE_E OUT="$evidence/e" E2E_MODELS="dino-4scale $MASK2FORMER" E2E_ROWS=paired $SUITE e2e
     ;;
   3)
-    $LANE_T OUT="$OUT/t" PARITY_MODELS=$DETR PARITY_PARTS="fast compare test" $SUITE parity >"$OUT/lane_t.txt" 2>&1 &
-    $LANE_E OUT="$OUT/e8" E2E_MODELS=$DETR E2E_ROWS=fast E2E_ARGS="--batch 8" $SUITE e2e
-    $LANE_E OUT="$OUT/e8" $SUITE kernels_cuda kernels_tma_ws
+    $LANE_T OUT="$evidence/t" PARITY_MODELS=$DETR PARITY_PARTS="fast compare test" $SUITE parity >"$evidence/lane_t.txt" 2>&1 &
+    $LANE_E OUT="$evidence/e8" E2E_MODELS=$DETR E2E_ROWS=fast E2E_ARGS="--batch 8" $SUITE e2e
+    $LANE_E OUT="$evidence/e8" $SUITE kernels_cuda kernels_tma_ws
     ;;
 esac
 wait
 echo "=== lane T (GPU 1)"
-cat "$OUT/lane_t.txt"
+cat "$evidence/lane_t.txt"
 # this call's rows and those of the calls before it on this machine, against the issue's targets
 earlier=()
-for folder in "$(dirname "$OUT")"/evidence_[0-9]*; do
-  [ -d "$folder" ] && [ "$folder" != "$OUT" ] && earlier+=("$folder")
+for folder in "$(dirname "$evidence")"/evidence_[0-9]*; do
+  [ -d "$folder" ] && [ "$folder" != "$evidence" ] && earlier+=("$folder")
 done
 echo "=== the targets (tools/e2e_targets.py)"
-python3 tools/e2e_targets.py "$OUT" ${earlier[@]+"${earlier[@]}"} | tee "$OUT/targets.md"
+python3 tools/e2e_targets.py "$evidence" ${earlier[@]+"${earlier[@]}"} | tee "$evidence/targets.md"
 if [ -n "${RESULTS:-}" ]; then
   # the logs and tables; the checkpoints (over 1 GB a parity run) would not come back from the device
-  tar czf "$RESULTS/evidence_$call.tgz" --exclude='*.pth' -C "$(dirname "$OUT")" "$(basename "$OUT")"
+  tar czf "$RESULTS/evidence_$call.tgz" --exclude='*.pth' -C "$(dirname "$evidence")" "$(basename "$evidence")"
 fi
