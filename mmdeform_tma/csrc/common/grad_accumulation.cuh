@@ -107,20 +107,21 @@ struct FixedPointSink {
 
   __device__ __forceinline__ void prepare() { scale = fixed_point_scale(bounds, contributions_per_element); }
 
+  // v in fixed point for element e; a value that has none (NaN, +-Inf, and fp64 values beyond the
+  // float range of the bounds) sets e's flag instead and adds 0.
+  __device__ __forceinline__ unsigned long long to_fixed(acc_t v, int64_t e) const {
+    const double x = static_cast<double>(v);
+    const double q = x * scale;
+    if (fabs(q) < 9.0e18) return static_cast<unsigned long long>(__double2ll_rn(q));  // false for NaN
+    const uint32_t flag = isnan(x) ? kNaN : (x > 0 ? kPosInf : kNegInf);
+    atomicOr(nonfinite + (e >> 2), flag << (8 * (e & 3)));
+    return 0ull;
+  }
+
   template <int N>
   __device__ __forceinline__ void add(int64_t index, const acc_t (&v)[N]) const {
 #pragma unroll
-    for (int i = 0; i < N; ++i) {
-      const double x = static_cast<double>(v[i]);
-      const double q = x * scale;
-      if (fabs(q) < 9.0e18) {  // false for NaN, +-Inf, and fp64 values beyond the float range of the bounds
-        atomicAdd(grad + index + i, static_cast<unsigned long long>(__double2ll_rn(q)));
-      } else {
-        const uint32_t flag = isnan(x) ? kNaN : (x > 0 ? kPosInf : kNegInf);
-        const int64_t e = index + i;
-        atomicOr(nonfinite + (e >> 2), flag << (8 * (e & 3)));
-      }
-    }
+    for (int i = 0; i < N; ++i) atomicAdd(grad + index + i, to_fixed(v[i], index + i));
   }
 };
 

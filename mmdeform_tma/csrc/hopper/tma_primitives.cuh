@@ -1,4 +1,5 @@
-// sm_90a building blocks: mbarriers with transaction counts, TMA tensor copies, proxy fences.
+// sm_90a building blocks: mbarriers with transaction counts, TMA tensor copies and reductions, bulk
+// groups, proxy fences.
 // Device code here is only emitted for sm_90a (__CUDA_ARCH_FEAT_SM90_ALL); the kernels that use it
 // compile to a trap on every other target, and their launchers refuse non-Hopper GPUs.
 #pragma once
@@ -82,6 +83,27 @@ __device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, i
       "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(smem_address(bar))
       : "memory");
 }
+
+// 2-D tile reduction shared -> global: adds the box at `src` (laid out as the map's box, swizzle
+// included) element-wise into the tensor at (x, y), atomically per element; elements outside the
+// tensor are dropped. Completes through this thread's bulk groups (bulk_commit_group).
+__device__ __forceinline__ void tma_reduce_add_2d(const CUtensorMap* map, uint32_t src, int32_t x, int32_t y) {
+  asm volatile("cp.reduce.async.bulk.tensor.2d.global.shared::cta.add.tile.bulk_group [%0, {%2, %3}], [%1];" ::"l"(
+                   reinterpret_cast<uint64_t>(map)),
+               "r"(src), "r"(x), "r"(y)
+               : "memory");
+}
+
+// Closes this thread's bulk operations issued so far into one group.
+__device__ __forceinline__ void bulk_commit_group() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+
+// Waits until every bulk group of this thread has read its shared-memory source (it may be rewritten).
+__device__ __forceinline__ void bulk_wait_group_read_all() {
+  asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+}
+
+// Waits until every bulk group of this thread has completed, its global writes included.
+__device__ __forceinline__ void bulk_wait_group_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
 
 __device__ __forceinline__ void prefetch_tensor_map(const CUtensorMap* map) {
   asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");

@@ -29,6 +29,8 @@
 // zeroes the block of A it alone read; a second barrier orders that before the next stage's writes.
 // Rows of non-finite output gradients, weights beyond |1| and points outside the window take the
 // direct path, so A and the staged rows stay finite and a NaN reaches only the cells it touches.
+// In the deterministic (fixed-point) kernel with MMA dots, a warp stages each window row's sums in
+// fixed point and the TMA adds them (cp.reduce.async.bulk.tensor), in place of 64-bit atomics.
 #include <cstddef>
 
 #include "../common/grad_accumulation.cuh"
@@ -372,12 +374,76 @@ __device__ __forceinline__ void reduce_mma_tile(const Sink& sink, const float (&
   sink.add(index, v);
 }
 
+// The deterministic MMA kernels' flush of one window row's sums (16 cells x 32 channels: d[j] is
+// the n-tile of channels 8j..8j+7): the warp converts them to fixed point, stages them in its buffer
+// `staging` as boxes of 8 cells x 16 channels (fixed_point_tensor_map, swizzled), and lane 0 has
+// the TMA add each box that holds a touched cell. Four bulk operations per row replace the lanes'
+// 16 scalar 64-bit atomics each (integer addition keeps the result bitwise reproducible). The fp32
+// sums of the fast kernels stay with vector reductions: there the same flush was slower (perf_notes,
+// session 24). `key` is the row's first cell, `row_index` its element of channel 0.
+template <bool kScaled, typename Sink>
+__device__ __forceinline__ void flush_fixed_point_row(const Sink& sink, const float (&d)[4][4], uint32_t staging,
+                                                      const CUtensorMap* map, int column, int key, int64_t row_index,
+                                                      int64_t key_stride, float inverse_scale) {
+  constexpr int kBoxChannels = kSwizzleRowBytes / 8;  // int64 per 128-byte box row
+  constexpr int kBoxesPerHalf = 32 / kBoxChannels;
+  constexpr int kBoxBytes = 8 * kSwizzleRowBytes;
+  const int lane = threadIdx.x & 31, g = lane >> 2, half = lane & 1, pair = (lane & 3) >> 1;
+  if (lane == 0) bulk_wait_group_read_all();  // the previous row's boxes have left the buffer
+  __syncwarp();
+  const int64_t element = row_index + (g + 8 * half) * key_stride;  // this lane's cell, channel 0
+  bool nonzero = false;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    // lane pairs swap halves, as in reduce_mma_tile: v is channels 8j + 4 pair.. of cell g + 8 half
+    const float give0 = half ? d[j][0] : d[j][2], give1 = half ? d[j][1] : d[j][3];
+    const float got0 = __shfl_xor_sync(0xffffffffu, give0, 1), got1 = __shfl_xor_sync(0xffffffffu, give1, 1);
+    float v[4] = {half ? got0 : d[j][0], half ? got1 : d[j][1], half ? d[j][2] : got0, half ? d[j][3] : got1};
+    if constexpr (kScaled) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) v[i] *= inverse_scale;
+    }
+    const int channel = 8 * j + 4 * pair;
+    unsigned long long q[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) q[i] = sink.to_fixed(v[i], element + channel + i);
+    // 16-byte chunks of two int64 in the box row, at chunk ^ (row mod 8): the 128-byte swizzle
+    const int chunk = (channel % kBoxChannels) / 2;
+    const uint32_t row = staging + static_cast<uint32_t>((half * kBoxesPerHalf + channel / kBoxChannels) * kBoxBytes +
+                                                         g * kSwizzleRowBytes);
+    st_shared_v4(row + static_cast<uint32_t>((chunk ^ g) << 4),
+                 make_uint4(static_cast<uint32_t>(q[0]), static_cast<uint32_t>(q[0] >> 32), static_cast<uint32_t>(q[1]),
+                            static_cast<uint32_t>(q[1] >> 32)));
+    st_shared_v4(row + static_cast<uint32_t>(((chunk + 1) ^ g) << 4),
+                 make_uint4(static_cast<uint32_t>(q[2]), static_cast<uint32_t>(q[2] >> 32), static_cast<uint32_t>(q[3]),
+                            static_cast<uint32_t>(q[3] >> 32)));
+    nonzero = nonzero || (q[0] | q[1] | q[2] | q[3]) != 0ull;
+  }
+  const unsigned live = __ballot_sync(0xffffffffu, nonzero);
+  fence_proxy_async_shared();  // this lane's stores before the TMA's reads
+  __syncwarp();
+  if (lane == 0) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      if ((live & (h ? 0xAAAAAAAAu : 0x55555555u)) == 0u) continue;  // no touched cell in these 8
+#pragma unroll
+      for (int b = 0; b < kBoxesPerHalf; ++b) {
+        tma_reduce_add_2d(map, staging + static_cast<uint32_t>((h * kBoxesPerHalf + b) * kBoxBytes),
+                          column + b * kBoxChannels, key + 8 * h);
+      }
+    }
+    bulk_commit_group();
+  }
+}
+
 // One warp's share of a stage's MMA: window rows of 16 cells (m-tiles) in turn, all slots (k),
-// every channel (n, 16 at a time); then it zeroes the block of A it read.
-template <typename scalar_t, int kGroups, typename Sink>
+// every channel (n, 16 at a time); then it zeroes the block of A it read. kTmaFlush (fixed point,
+// 32 channels, kGroups 2: a row's sums in one pass): the row leaves through flush_fixed_point_row.
+template <typename scalar_t, int kGroups, bool kTmaFlush, typename Sink>
 __device__ __forceinline__ void reduce_window_mma(uint32_t smem_base, const LaunchShape& s, const StageWindow& w,
                                                   const Sink& sink, int64_t key_stride, int64_t head_column,
-                                                  int channels, float inverse_scale) {
+                                                  int channels, float inverse_scale, const CUtensorMap* flush_map) {
+  static_assert(!kTmaFlush || kGroups == 2, "the TMA flush takes a row's 32 channels in one pass");
   const int warp = threadIdx.x / 32 - 1, lane = threadIdx.x & 31;
   const int k_steps = s.slots / 16;
   const uint32_t a_hi = smem_base + static_cast<uint32_t>(s.a_offset), a_lo = a_hi + static_cast<uint32_t>(s.a_bytes);
@@ -417,6 +483,13 @@ __device__ __forceinline__ void reduce_window_mma(uint32_t smem_base, const Laun
         }
       }
       constexpr bool kScaled = std::is_same_v<scalar_t, __half>;
+      if constexpr (kTmaFlush) {
+        const int row_key = w.key0 + tile * w.width;  // a window row is 16 consecutive keys
+        flush_fixed_point_row<kScaled>(sink, d, smem_base + static_cast<uint32_t>(s.flush_offset + warp * s.flush_bytes), flush_map,
+                                       static_cast<int>(head_column), row_key, row_key * key_stride + head_column,
+                                       key_stride, inverse_scale);
+        continue;  // one pass: c0 + 32 >= channels
+      }
 #pragma unroll
       for (int q = 0; q < kGroups; ++q) {
         if (q >= groups) break;
@@ -452,7 +525,7 @@ template <typename scalar_t, int kChunkBytes, typename Sink, Aggregation kAggreg
 __global__ void __launch_bounds__(kMaxThreads, kCtasPerSm)
     backward_kernel(
     const __grid_constant__ CUtensorMap value_map, const __grid_constant__ Problem<scalar_t> p,
-    const __grid_constant__ LaunchShape s,
+    const __grid_constant__ LaunchShape s, const __grid_constant__ CUtensorMap flush_map,
     const scalar_t* __restrict__ grad_output, Sink sink, coord_type<scalar_t>* __restrict__ grad_locations,
     coord_type<scalar_t>* __restrict__ grad_weights) {
 #if MMDEFORM_TMA_HOPPER_DEVICE
@@ -462,6 +535,8 @@ __global__ void __launch_bounds__(kMaxThreads, kCtasPerSm)
   constexpr bool kGather = kAggregation == Aggregation::kGather;
   constexpr bool kMma = kAggregation == Aggregation::kMma;
   static_assert(!kMmaDots || (kMma && kChunkBytes == 16), "MMA dots are an MMA kernel's, in 16-byte split lanes");
+  // The deterministic MMA dots kernels flush window rows through the TMA (flush_fixed_point_row).
+  constexpr bool kTmaFlush = kMmaDots && !std::is_same_v<Sink, AtomicSink<float>>;
   extern __shared__ __align__(128) char dynamic_smem[];
 
   if (!level_geometry_ok(p.spatial_shapes, p.level_start, p.levels, p.num_keys)) {
@@ -471,6 +546,9 @@ __global__ void __launch_bounds__(kMaxThreads, kCtasPerSm)
   const Ring<coord_t> ring{dynamic_smem, &s};
   const int groups = tile_groups(p, s);
   const int num_tiles = tile_count(p, groups);
+  if constexpr (kTmaFlush) {  // the swizzled flush boxes need their 1024-byte alignment; the host gives their room
+    if ((smem_address(dynamic_smem) & 1023u) != 0u || s.flush_bytes == 0) __trap();
+  }
   if constexpr (kMma) {  // A starts zero; init_ring's barrier orders this before any use
     for (int i = threadIdx.x * 16; i < 2 * s.a_bytes; i += blockDim.x * 16) {
       *reinterpret_cast<uint4*>(dynamic_smem + s.a_offset + i) = make_uint4(0u, 0u, 0u, 0u);
@@ -668,8 +746,9 @@ __global__ void __launch_bounds__(kMaxThreads, kCtasPerSm)
       if (w.rows > 0) {
         consumer_barrier(s.consumer_warps * 32);  // A and the staged rows are complete
         mbarrier_arrive(ring.empty(at.stage));
-        reduce_window_mma<scalar_t, (kCtasPerSm < 4 || kMmaDots) ? 2 : 1>(
-            smem_base, s, w, sink, key_stride, static_cast<int64_t>(t.head) * p.channels, p.channels, s.inverse_weight_scale);
+        reduce_window_mma<scalar_t, (kCtasPerSm < 4 || kMmaDots) ? 2 : 1, kTmaFlush>(
+            smem_base, s, w, sink, key_stride, static_cast<int64_t>(t.head) * p.channels, p.channels, s.inverse_weight_scale,
+            &flush_map);
         consumer_barrier(s.consumer_warps * 32);  // every warp has read and zeroed its blocks of A
       } else {
         mbarrier_arrive(ring.empty(at.stage));
@@ -712,6 +791,9 @@ __global__ void __launch_bounds__(kMaxThreads, kCtasPerSm)
     mbarrier_arrive(ring.empty(at.stage));
     at.advance(p.levels, s.stages);
   }
+  if constexpr (kTmaFlush) {
+    if ((threadIdx.x & 31) == 0) bulk_wait_group_all();  // the flush buffers are read before the CTA leaves
+  }
 #else
   __trap();
 #endif
@@ -738,7 +820,8 @@ Gradients backward(const ProblemTensors& problem, const at::Tensor& grad_output,
   const int entry_size = gather_built(element, chunk_bytes) ? static_cast<int>(sizeof(GatherEntry<float>)) : 0;
   LaunchShape s{};
   if ((config < 0 || is_mma_config(config)) && mma_built(element, problem.channels)) {
-    s = launch_shape(problem, config, kMmaChunkBytes, meta_size, kMaxBackwardSlotsPerTeam, true, 0, true);
+    s = launch_shape(problem, config, kMmaChunkBytes, meta_size, kMaxBackwardSlotsPerTeam, true, 0, true,
+                     deterministic ? 8 : 0);
   }
   if (!s.mma) {  // any other config or problem; an MMA config whose tile the MMA cannot take runs without a window
     s = launch_shape(problem, config, chunk_bytes, meta_size, kMaxBackwardSlotsPerTeam, true, entry_size);
@@ -751,21 +834,29 @@ Gradients backward(const ProblemTensors& problem, const at::Tensor& grad_output,
         // reference, which instantiates a host stub the device pass never registered (the launch
         // then fails with "invalid resource handle").
         using Sink = std::decay_t<decltype(sink)>;
+        // The deterministic MMA dots kernels' flush target (launch_shape gave their staging room);
+        // unused elsewhere.
+        CUtensorMap flush_map{};
+        if (s.flush_bytes > 0) {
+          flush_map = fixed_point_tensor_map(sink.grad, problem.batch * problem.num_keys, problem.heads * problem.channels, 8);
+        }
         if constexpr (sizeof(scalar_t) == 2) {
           if (s.mma) {
-            // teams of four lanes (32 channels): dots on the tensor cores too
+            // teams of four lanes (32 channels): dots on the tensor cores too (and, deterministic, the TMA flush)
+            TORCH_CHECK((s.team == 4 && deterministic) == (s.flush_bytes > 0),
+                        "mmdeform_tma tma_ws: the deterministic MMA dots kernel without its flush room");
             with_mma_dots(s.team == 4, [&](auto dots) {
               constexpr bool kDots = decltype(dots)::value;
               constexpr int kMinCtas = min_blocks_per_multiprocessor<scalar_t>();
               if constexpr (std::is_same_v<Sink, AtomicSink<float>>) {  // the fixed-point one spills at 96 registers
                 if (s.ctas_per_sm == 4) {
                   launch_persistent<scalar_t>(backward_kernel<scalar_t, kMmaChunkBytes, Sink, Aggregation::kMma, 4, kDots>,
-                                              problem, s, go, sink, grad_locations, grad_weights);
+                                              problem, s, flush_map, go, sink, grad_locations, grad_weights);
                   return;
                 }
               }
               launch_persistent<scalar_t>(backward_kernel<scalar_t, kMmaChunkBytes, Sink, Aggregation::kMma, kMinCtas, kDots>,
-                                          problem, s, go, sink, grad_locations, grad_weights);
+                                          problem, s, flush_map, go, sink, grad_locations, grad_weights);
             });
             return;
           }
@@ -775,19 +866,19 @@ Gradients backward(const ProblemTensors& problem, const at::Tensor& grad_output,
           if constexpr (gather_built(sizeof(scalar_t), kChunk)) {
             if (s.gather) {
               launch_persistent<scalar_t>(backward_kernel<scalar_t, kChunk, Sink, Aggregation::kGather>, problem, s,
-                                          go, sink, grad_locations, grad_weights);
+                                          flush_map, go, sink, grad_locations, grad_weights);
               return;
             }
           }
           if constexpr (four_ctas_built<scalar_t, kChunk, Sink>()) {
             if (s.ctas_per_sm == 4) {
               launch_persistent<scalar_t>(backward_kernel<scalar_t, kChunk, Sink, Aggregation::kDirect, 4>, problem, s,
-                                          go, sink, grad_locations, grad_weights);
+                                          flush_map, go, sink, grad_locations, grad_weights);
               return;
             }
           }
-          launch_persistent<scalar_t>(backward_kernel<scalar_t, kChunk, Sink, Aggregation::kDirect>, problem, s, go,
-                                      sink, grad_locations, grad_weights);
+          launch_persistent<scalar_t>(backward_kernel<scalar_t, kChunk, Sink, Aggregation::kDirect>, problem, s,
+                                      flush_map, go, sink, grad_locations, grad_weights);
         });
       });
 }

@@ -55,7 +55,7 @@ Config default_config(const ProblemTensors& problem, int team, bool backward, bo
 }
 
 LaunchShape shape_for(const ProblemTensors& problem, const Config& config, int chunk_bytes, int meta_size,
-                      int max_slots_per_team, int gather_entry_size, bool mma_kernel) {
+                      int max_slots_per_team, int gather_entry_size, bool mma_kernel, int flush_element_bytes) {
   LaunchShape s{};
   const int element = static_cast<int>(problem.value.element_size());
   s.row_bytes = static_cast<int>(problem.channels) * element;
@@ -118,6 +118,14 @@ LaunchShape shape_for(const ProblemTensors& problem, const Config& config, int c
   }
   s.inverse_weight_scale = 1.0f / s.weight_scale;
   s.total_bytes = s.barrier_offset + round128(2 * s.stages * 8) + 128;  // + alignment slack
+  // A window row (kMmaWindowSide cells) of every channel per consumer warp, after the barriers (the
+  // slack is then not needed: the kernels check the base's alignment).
+  s.flush_offset = s.flush_bytes = 0;
+  if (s.mma && s.team == 4 && flush_element_bytes > 0) {
+    s.flush_offset = (s.barrier_offset + round128(2 * s.stages * 8) + 1023) / 1024 * 1024;
+    s.flush_bytes = kMmaWindowSide * static_cast<int>(problem.channels) * flush_element_bytes;
+    s.total_bytes = s.flush_offset + s.consumer_warps * s.flush_bytes;
+  }
   return s;
 }
 
@@ -173,14 +181,16 @@ bool is_mma_config(int64_t config) {
 }
 
 LaunchShape launch_shape(const ProblemTensors& problem, int64_t config, int chunk_bytes, int meta_size,
-                         int max_slots_per_team, bool backward, int gather_entry_size, bool mma_kernel) {
+                         int max_slots_per_team, bool backward, int gather_entry_size, bool mma_kernel,
+                         int flush_element_bytes) {
   const int row_bytes = static_cast<int>(problem.channels * problem.value.element_size());
   const int limit = current_device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin);
   if (config >= 0) {
     const int64_t count = static_cast<int64_t>(backward ? configs().size() : config_names().size());
     TORCH_CHECK(config < count, "mmdeform_tma tma_ws: config ", num(config), " out of range");
     const LaunchShape s = shape_for(problem, configs()[config], chunk_bytes, meta_size, max_slots_per_team,
-                                    backward ? gather_entry_size : 0, backward && mma_kernel);
+                                    backward ? gather_entry_size : 0, backward && mma_kernel,
+                                    backward ? flush_element_bytes : 0);
     TORCH_CHECK(s.total_bytes <= limit, "mmdeform_tma tma_ws: config ", configs()[config].name, " needs ",
                 num(s.total_bytes), " bytes of shared memory for ", num(problem.points), " points per level; the GPU allows ",
                 num(limit));
@@ -189,7 +199,8 @@ LaunchShape launch_shape(const ProblemTensors& problem, int64_t config, int chun
   // Shrink the default until it fits: fewer stages, then smaller windows, then smaller tiles.
   Config c = default_config(problem, row_bytes / chunk_bytes, backward, mma_kernel);
   for (;;) {
-    const LaunchShape s = shape_for(problem, c, chunk_bytes, meta_size, max_slots_per_team, 0, mma_kernel);
+    const LaunchShape s =
+        shape_for(problem, c, chunk_bytes, meta_size, max_slots_per_team, 0, mma_kernel, flush_element_bytes);
     if (s.total_bytes <= limit) return s;
     if (c.stages > 2) {
       --c.stages;

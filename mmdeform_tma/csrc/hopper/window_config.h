@@ -96,6 +96,11 @@ struct LaunchShape {
   bool mma;
   int a_offset, a_stride, a_bytes;
   int g_offset, g_stride;
+  // Deterministic MMA backward with teams of four lanes (32 channels): each warp stages a window
+  // row's fixed-point sums in shared memory (flush_bytes at flush_offset + warp x flush_bytes,
+  // 1024-byte aligned) and the TMA adds them to the value gradient (window_backward.cu). 0: the warps
+  // reduce their sums through the sink.
+  int flush_offset, flush_bytes;
   // fp16: a (slot, cell) entry of A sums at most `points` weights of |a| <= 1 (larger ones take the
   // direct path), so 2^15 / points keeps it finite and its lo part normal down to weights of about
   // points x 2^-18. bf16 has fp32's range: 1. Read from the parameter bank, not a register.
@@ -107,8 +112,11 @@ struct LaunchShape {
 // take that many bytes; a gather config then lays out its index (otherwise it runs without one).
 // `mma_kernel`: the caller has an MMA kernel for this problem; an `mma` config then lays out its
 // arrays when the tile allows (LaunchShape::mma), and otherwise runs without a window.
+// `flush_element_bytes` > 0: the caller's MMA kernel stages its sums for TMA reductions, in elements
+// of that size (8: fixed point), where the tile takes MMA dots (LaunchShape::flush_bytes).
 LaunchShape launch_shape(const ProblemTensors& problem, int64_t config, int chunk_bytes, int meta_size,
-                         int max_slots_per_team, bool backward, int gather_entry_size = 0, bool mma_kernel = false);
+                         int max_slots_per_team, bool backward, int gather_entry_size = 0, bool mma_kernel = false,
+                         int flush_element_bytes = 0);
 
 // The MMA backward's accumulation window (cells a side) and its slot limit (four k-steps).
 constexpr int kMmaWindowSide = 16;
