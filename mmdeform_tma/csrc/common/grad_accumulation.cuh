@@ -107,12 +107,15 @@ struct FixedPointSink {
 
   __device__ __forceinline__ void prepare() { scale = fixed_point_scale(bounds, contributions_per_element); }
 
+  // |v x scale| below this converts to int64 (the bounds put every finite float value below it).
+  static constexpr double kRepresentable = 9.0e18;
+
   // v in fixed point for element e; a value that has none (NaN, +-Inf, and fp64 values beyond the
   // float range of the bounds) sets e's flag instead and adds 0.
   __device__ __forceinline__ unsigned long long to_fixed(acc_t v, int64_t e) const {
     const double x = static_cast<double>(v);
     const double q = x * scale;
-    if (fabs(q) < 9.0e18) return static_cast<unsigned long long>(__double2ll_rn(q));  // false for NaN
+    if (fabs(q) < kRepresentable) return static_cast<unsigned long long>(__double2ll_rn(q));  // false for NaN
     const uint32_t flag = isnan(x) ? kNaN : (x > 0 ? kPosInf : kNegInf);
     atomicOr(nonfinite + (e >> 2), flag << (8 * (e & 3)));
     return 0ull;

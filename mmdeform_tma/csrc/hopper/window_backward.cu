@@ -404,9 +404,23 @@ __device__ __forceinline__ void flush_fixed_point_row(const Sink& sink, const fl
       for (int i = 0; i < 4; ++i) v[i] *= inverse_scale;
     }
     const int channel = 8 * j + 4 * pair;
-    unsigned long long q[4];
+    // One warp vote per four values instead of a divergent branch around each conversion: only
+    // a warp holding a value without fixed point (NaN, +-Inf) takes to_fixed's flag path.
+    double x[4];
+    bool representable = true;
 #pragma unroll
-    for (int i = 0; i < 4; ++i) q[i] = sink.to_fixed(v[i], element + channel + i);
+    for (int i = 0; i < 4; ++i) {
+      x[i] = static_cast<double>(v[i]) * sink.scale;
+      representable = representable && fabs(x[i]) < Sink::kRepresentable;  // false for NaN
+    }
+    unsigned long long q[4];
+    if (__all_sync(0xffffffffu, representable)) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) q[i] = static_cast<unsigned long long>(__double2ll_rn(x[i]));
+    } else {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) q[i] = sink.to_fixed(v[i], element + channel + i);
+    }
     // 16-byte chunks of two int64 in the box row, at chunk ^ (row mod 8): the 128-byte swizzle
     const int chunk = (channel % kBoxChannels) / 2;
     const uint32_t row = staging + static_cast<uint32_t>((half * kBoxesPerHalf + channel / kBoxChannels) * kBoxBytes +
@@ -487,14 +501,14 @@ __device__ __forceinline__ void reduce_window_mma(uint32_t smem_base, const Laun
         const int row_key = w.key0 + tile * w.width;  // a window row is 16 consecutive keys
         flush_fixed_point_row<kScaled>(sink, d, smem_base + static_cast<uint32_t>(s.flush_offset + warp * s.flush_bytes), flush_map,
                                        static_cast<int>(head_column), row_key, row_key * key_stride + head_column,
-                                       key_stride, inverse_scale);
-        continue;  // one pass: c0 + 32 >= channels
-      }
+                                       key_stride, inverse_scale);  // one pass: c0 + 32 >= channels
+      } else {
 #pragma unroll
-      for (int q = 0; q < kGroups; ++q) {
-        if (q >= groups) break;
-        reduce_mma_tile<kScaled>(sink, d[2 * q], index + c0 + 16 * q, inverse_scale);
-        reduce_mma_tile<kScaled>(sink, d[2 * q + 1], index + c0 + 16 * q + 8, inverse_scale);
+        for (int q = 0; q < kGroups; ++q) {
+          if (q >= groups) break;
+          reduce_mma_tile<kScaled>(sink, d[2 * q], index + c0 + 16 * q, inverse_scale);
+          reduce_mma_tile<kScaled>(sink, d[2 * q + 1], index + c0 + 16 * q + 8, inverse_scale);
+        }
       }
     }
     __syncwarp();  // every lane's ldmatrix reads of the block are done
