@@ -25,6 +25,13 @@
 #                             into DCNV4_WHEELS (default /tmp/dcnv4_wheels) unless a wheel is there already,
 #                             then installed into /tmp/site (setup.sh's PYTHONPATH). A wheel brought back
 #                             through $OUT and carried in an ignored folder saves the build next time
+#   ab                        a kernel change against its base, in one call: builds AB_BASE (a source tree
+#                             exported beside this one, e.g. `git archive REV | tar -x -C .ab_base`, kept
+#                             out of git and carried with the call) in place, then runs tools/autotune.py
+#                             AB_ARGS (e.g. "--presets detr_enc_bs2 --configs c4_t64_s2_m16") on the base and
+#                             on this checkout, each with its own table: $OUT/autotune_ab_base.json and
+#                             $OUT/autotune_ab_new.json. Run it after `build`; tools/kernel_code_diff.py names
+#                             the kernels that differ between the two
 #   bench graph               tools/benchmark_op.py (BENCH_ARGS); tools/cuda_graph_train_step.py
 #   autotune                  tools/autotune.py over AUTOTUNE_BACKENDS (default tma_ws cuda), forward,
 #                             backward and the deterministic backward; rewrites this GPU's table
@@ -129,6 +136,22 @@ fi
 if has autotune; then
   run autotune ${AUTOTUNE_TIMEOUT:-900} python3 tools/autotune.py --backends ${AUTOTUNE_BACKENDS:-tma_ws cuda} \
     --directions forward backward backward-deterministic --report "$OUT/autotune.json" ${AUTOTUNE_ARGS:-}
+fi
+if has ab; then
+  base=${AB_BASE:-.ab_base}
+  if [ -f "$base/setup.py" ]; then
+    base=$(cd "$base" && pwd)
+    run ab_build_base ${BUILD_TIMEOUT:-600} bash -c "cd '$base' && python3 setup.py build_ext --inplace"
+    for tree in base new; do  # each imports its own package first; the tables start empty
+      dir=$([ $tree = base ] && echo "$base" || pwd)
+      rm -f "$OUT/table_ab_$tree.json"
+      run "ab_autotune_$tree" ${AUTOTUNE_TIMEOUT:-900} env PYTHONPATH="$dir${PYTHONPATH:+:$PYTHONPATH}" \
+        python3 tools/autotune.py --table "$OUT/table_ab_$tree.json" --report "$OUT/autotune_ab_$tree.json" ${AB_ARGS:-}
+    done
+  else
+    echo "=== ab: no source tree at $base (AB_BASE)"
+    status=1
+  fi
 fi
 if has host; then
   run host ${HOST_TIMEOUT:-300} python3 tools/benchmark_op.py --host-overhead --backends ${HOST_BACKENDS:-auto tma_ws cuda mmcv} \

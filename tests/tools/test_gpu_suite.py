@@ -189,3 +189,20 @@ def test_dcnv4_step_without_wheel_or_sdist_says_so(suite, tmp_path):
                   expect_rc=1, printed=printed)
     assert calls == []
     assert any("no wheel" in line and "no sdist" in line for line in printed)
+
+
+def test_ab_builds_the_base_tree_then_tunes_base_and_checkout_apart(suite, tmp_path):
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "setup.py").write_text("")
+    build, tune_base, tune_new = suite("ab", AB_BASE=str(base), AB_ARGS="--presets detr_enc_bs2 --configs c4_t64_s2_m16")
+    assert build.endswith("setup.py build_ext --inplace")
+    for tune, tree in ((tune_base, "base"), (tune_new, "new")):
+        assert "tools/autotune.py" in tune and tune.endswith("--presets detr_enc_bs2 --configs c4_t64_s2_m16")
+        assert f"table_ab_{tree}.json" in tune and f"autotune_ab_{tree}.json" in tune
+
+
+def test_ab_without_a_base_tree_runs_nothing_and_fails(suite, tmp_path):
+    printed = []
+    assert suite("ab", AB_BASE=str(tmp_path / "missing"), expect_rc=1, printed=printed) == []
+    assert any("no source tree" in line for line in printed)
