@@ -31,7 +31,8 @@
 #                             AB_ARGS (e.g. "--presets detr_enc_bs2 --configs c4_t64_s2_m16") on the base and
 #                             on this checkout, each with its own table: $OUT/autotune_ab_base.json and
 #                             $OUT/autotune_ab_new.json. Run it after `build`; tools/kernel_code_diff.py names
-#                             the kernels that differ between the two
+#                             the kernels that differ between the two. (Session 24 ran these commands by hand;
+#                             the step itself has run on the CPU tests only so far.)
 #   bench graph               tools/benchmark_op.py (BENCH_ARGS); tools/cuda_graph_train_step.py
 #   autotune                  tools/autotune.py over AUTOTUNE_BACKENDS (default tma_ws cuda), forward,
 #                             backward and the deterministic backward; rewrites this GPU's table
@@ -145,7 +146,8 @@ if has ab; then
     for tree in base new; do  # each imports its own package first; the tables start empty
       dir=$([ $tree = base ] && echo "$base" || pwd)
       rm -f "$OUT/table_ab_$tree.json"
-      run "ab_autotune_$tree" ${AUTOTUNE_TIMEOUT:-900} env PYTHONPATH="$dir${PYTHONPATH:+:$PYTHONPATH}" \
+      label=$([ $tree = base ] && echo "ab base at $base" || echo "${MMDEFORM_TMA_COMMIT:-}")  # the base has no .git
+      run "ab_autotune_$tree" ${AUTOTUNE_TIMEOUT:-900} env PYTHONPATH="$dir${PYTHONPATH:+:$PYTHONPATH}" MMDEFORM_TMA_COMMIT="$label" \
         python3 tools/autotune.py --table "$OUT/table_ab_$tree.json" --report "$OUT/autotune_ab_$tree.json" ${AB_ARGS:-}
     done
   else
