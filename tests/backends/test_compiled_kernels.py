@@ -330,12 +330,13 @@ def mma_configs() -> list[tuple[int, str]]:
     return [(i, n) for i, n in enumerate(kernel_configs("tma_ws", "backward")) if "_m16" in n]
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("case", [CASES[9], CASES[10], CASES[0]], ids=lambda c: c[0])
 def test_tma_ws_mma_backward_against_float64(case, dtype):
-    """The tensor-core backward (`_m16` configs) in both of its dtypes: on encoders (pixel-block
-    tiles with windows: 32 and 64 channels) and a decoder (strips: the configs run without a
-    window), fast and deterministic, the deterministic one bitwise the same twice."""
+    """The tensor-core backward (`_m16` configs) in its three dtypes (fp32 on fp16 hi + lo
+    operands): on encoders (pixel-block tiles with windows: 32 and 64 channels) and a decoder
+    (strips: the configs run without a window), fast and deterministic, the deterministic one
+    bitwise the same twice."""
     problem = cuda_problem(case, dtype, seed=19)
     skip_unless_supported("tma_ws", validate(*problem.args()))
     answers = float64_answers(problem, dtype)
@@ -370,6 +371,34 @@ def test_tma_ws_mma_backward_non_finite_rows_and_large_weights(deterministic):
         assert torch.equal(torch.isnan(got), torch.isnan(want)), name
         assert torch.equal(torch.isinf(got), torch.isinf(want)) and torch.equal(got[torch.isinf(want)], want[torch.isinf(want)].half()), name
         check(got[finite], want[finite], f"{name} finite grad_value")
+
+
+@pytest.mark.parametrize("magnitude", [1e-30, 1.0, 1e30], ids=["1e-30", "1", "1e30"])
+def test_tma_ws_fp32_mma_backward_keeps_fp32_accuracy_at_any_gradient_scale(magnitude):
+    """The fp32 MMA backward puts a tile's output-gradient rows on the tensor cores as fp16 hi + lo
+    parts of the rows times a power of two: gradients far outside fp16's range, with rows that
+    differ by up to 10^6 within a tile, stay within the fp32 rule, and a NaN or Inf row stays out
+    of the scale and the product (it reaches exactly the reference's cells)."""
+    problem = cuda_problem(CASES[9], torch.float32, seed=31)
+    skip_unless_supported("tma_ws", validate(*problem.args()))
+    value, shapes, starts, loc, attn = problem.args()
+    exact_inputs = [t.detach().double().requires_grad_() for t in (value, loc, attn)]
+    exact = gather_reference(exact_inputs[0], shapes, starts, exact_inputs[1], exact_inputs[2])
+    g = torch.Generator(device="cuda").manual_seed(37)
+    spread = 10.0 ** torch.empty(exact.shape[:2] + (1,), device="cuda").uniform_(-3, 3, generator=g)
+    grad_output = (torch.randn(exact.shape, device="cuda", generator=g) * spread * magnitude).float()
+    grad_output[0, 5] = float("nan")
+    grad_output[1, 600, 17] = float("inf")
+    (want,) = torch.autograd.grad(exact, exact_inputs[0], grad_output.double())
+    finite = torch.isfinite(want)
+    assert (~finite).any() and finite.any()
+    for config, name in mma_configs():
+        for deterministic in (False, True):
+            got = torch.ops.mmdeform_tma.ms_deform_attn_backward(grad_output, value, shapes, starts, loc, attn, "tma_ws", config, deterministic)[0]
+            assert torch.equal(torch.isnan(got), torch.isnan(want)), name
+            assert torch.equal(torch.isinf(got), torch.isinf(want)), name
+            err = rel_l2(got[finite], want[finite])
+            assert err <= 1e-5, f"{name} deterministic={deterministic}: relative L2 error {err:.3e}"
 
 
 def window_forward_configs() -> list[tuple[int, str]]:

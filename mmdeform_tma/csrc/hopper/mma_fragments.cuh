@@ -36,6 +36,10 @@ __device__ __forceinline__ void st_shared_v4(uint32_t address, uint4 v) {
                : "memory");
 }
 
+__device__ __forceinline__ void st_shared_u32(uint32_t address, uint32_t v) {
+  asm volatile("st.shared.u32 [%0], %1;" ::"r"(address), "r"(v) : "memory");
+}
+
 __device__ __forceinline__ void st_shared_v2(uint32_t address, uint2 v) {
   asm volatile("st.shared.v2.u32 [%0], {%1, %2};" ::"r"(address), "r"(v.x), "r"(v.y) : "memory");
 }

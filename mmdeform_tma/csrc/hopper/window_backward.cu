@@ -18,7 +18,7 @@
 // walk's global load, 64-bit address and conversion per entry as what made the gather execute
 // 1.38x the plain kernel's instructions.
 //
-// The MMA variant (configs with `mma`, fp16/bf16) sums on the tensor cores instead. Per stage the
+// The MMA variant (configs with `mma`) sums on the tensor cores instead. Per stage the
 // consumer teams write each window point's four corner weights into a dense (slot x window cell)
 // matrix A, as hi + lo 16-bit parts (by estimate, one 16-bit weight alone would put the fp16
 // result at about 1.4x its rounding error, against the 1.5x allowed); after a barrier, the window's value gradient is A^T (cells x slots)
@@ -29,8 +29,11 @@
 // zeroes the block of A it alone read; a second barrier orders that before the next stage's writes.
 // Rows of non-finite output gradients, weights beyond |1| and points outside the window take the
 // direct path, so A and the staged rows stay finite and a NaN reaches only the cells it touches.
-// In the deterministic (fixed-point) kernel with MMA dots, a warp stages each window row's sums in
-// fixed point and the TMA adds them (cp.reduce.async.bulk.tensor), in place of 64-bit atomics.
+// In the deterministic (fixed-point) MMA kernel for rows of 32 channels, a warp stages each window
+// row's sums in fixed point and the TMA adds them (cp.reduce.async.bulk.tensor), in place of 64-bit
+// atomics. fp32 rows run the same MMA on fp16 operands: A as for fp16, the output-gradient rows as
+// hi + lo parts of the rows times one power of two per tile (tile_largest_finite), three products
+// per step; their dots stay on the FMA units.
 #include <cstddef>
 
 #include "../common/grad_accumulation.cuh"
@@ -212,14 +215,39 @@ enum class Aggregation {
   kMma,     // summed per window cell on the tensor cores
 };
 
-// The MMA kernel's lane chunk: 16 bytes (8 halves), so a row of 32-128 channels is a team of 4-16
-// lanes; teams of at least 4 write a point's four corners at once.
+// The MMA kernel's lane chunk: 16 bytes (8 halves, 4 floats), so a row of 32-128 half or 16-64
+// float channels is a team of 4-16 lanes; teams of at least 4 write a point's four corners at once.
 constexpr int kMmaChunkBytes = 16;
 constexpr bool mma_built(int element_size, int64_t channels) {
-  return element_size == 2 && channels % 16 == 0 && channels * element_size >= 4 * kMmaChunkBytes &&
-         channels * element_size <= 256;
+  return (element_size == 2 || element_size == 4) && channels % 16 == 0 &&
+         channels * element_size >= 4 * kMmaChunkBytes && channels * element_size <= 256;
 }
 constexpr int kMmaMaxKSteps = kMmaMaxSlots / 16;
+
+// The tensor cores' operand type: value's for fp16/bf16; fp16 (hi + lo parts) for fp32.
+template <typename scalar_t>
+using MmaElement = std::conditional_t<sizeof(scalar_t) == 2, scalar_t, __half>;
+
+// fp32 MMA backward: the output-gradient rows of a tile enter the tensor cores as fp16 hi + lo parts
+// of the rows times 2^k, one power of two per tile that puts its largest finite element below
+// 2^14 (fp16's range holds hi + lo, and the products stay far inside fp32's). hi + lo carries 22
+// bits of every element within 2^-17 of that largest one; the smaller ones keep an absolute error
+// below 2^-39 of it. k is clamped so that 2^k and 2^-k are normal floats.
+struct RowScale {
+  float scale, unscale;
+};
+
+__device__ __forceinline__ RowScale row_scale_for(float largest) {
+  const int e = max(static_cast<int>((__float_as_uint(largest) >> 23) & 0xFFu) - 126, -110);  // largest < 2^e
+  return {__uint_as_float(static_cast<uint32_t>(127 + 14 - e) << 23), __uint_as_float(static_cast<uint32_t>(127 + e - 14) << 23)};
+}
+
+// The fp32 MMA kernels' tile scale, in the stage header after the StageWindow (the gather's
+// touched count sits there in the gather kernels, which take no MMA).
+template <typename coord_t>
+__device__ __forceinline__ float* mma_tile_largest(const Ring<coord_t>& ring, int stage) {
+  return reinterpret_cast<float*>(ring.header(stage) + 1);
+}
 
 #if MMDEFORM_TMA_HOPPER_DEVICE
 
@@ -227,10 +255,11 @@ constexpr int kMmaMaxKSteps = kMmaMaxSlots / 16;
 // this team writes the slot's row, one point after another, so the read-modify-write needs no atomics.
 template <typename scalar_t>
 __device__ __forceinline__ void add_mma_weight(uint32_t smem_base, const LaunchShape& s, int slot, int cell, float weight) {
+  using mma_t = MmaElement<scalar_t>;
   const uint32_t hi = smem_base + static_cast<uint32_t>(s.a_offset + slot * s.a_stride + 2 * cell);
   const uint32_t lo = hi + static_cast<uint32_t>(s.a_bytes);
-  const SplitWeight<scalar_t> sum =
-      split_weight<scalar_t>(static_cast<float>(ld_shared_16<scalar_t>(hi)) + static_cast<float>(ld_shared_16<scalar_t>(lo)) + weight);
+  const SplitWeight<mma_t> sum =
+      split_weight<mma_t>(static_cast<float>(ld_shared_16<mma_t>(hi)) + static_cast<float>(ld_shared_16<mma_t>(lo)) + weight);
   st_shared_16(hi, sum.hi);
   st_shared_16(lo, sum.lo);
 }
@@ -240,6 +269,9 @@ __device__ __forceinline__ void add_mma_weight(uint32_t smem_base, const LaunchS
 // then leave as two vector reductions that each cover whole 32-byte sectors across the team, as
 // the 8-byte-lane kernels' do; one 16-byte chunk per lane would cover half of every sector twice,
 // twice the L2 operations on the path that uniform sampling (no window pays) takes for every point.
+// fp32 lanes hold one whole 16-byte chunk instead (hi = lo + 2): four floats per lane already
+// cover whole sectors across the team, and one load per corner touches each row's line once,
+// where two 8-byte halves took two L1 wavefronts per row.
 struct SplitLane {
   int lo, hi;  // the lane's first channel of each half
 };
@@ -260,17 +292,21 @@ __device__ __forceinline__ Chunk<16> load_split_corner(uint32_t valid, const voi
   return c;
 }
 
-// The four corners of a point in the split layout; `value` points at the head's channel 0.
+// The four corners of a point in the lane's layout (SplitLane); `value` points at the head's channel 0.
 template <typename scalar_t>
 __device__ __forceinline__ PointCorners<16> load_split_point(const WindowPoint<float>& m, const SplitLane& lane,
                                                              const scalar_t* value, int64_t key_stride, int64_t row_stride) {
   const scalar_t* corner = value + static_cast<int64_t>(m.key) * key_stride + lane.lo;
-  const uint32_t half_bytes = 2u * static_cast<uint32_t>(lane.hi - lane.lo);
+  const uint32_t half_bytes = static_cast<uint32_t>(sizeof(scalar_t)) * static_cast<uint32_t>(lane.hi - lane.lo);
   PointCorners<16> c;
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
     const scalar_t* at = corner + ((k & 1) ? key_stride : 0) + ((k & 2) ? row_stride : 0);
-    c.corner[k] = load_split_corner(m.valid & (1u << k), at, half_bytes);
+    if constexpr (sizeof(scalar_t) == 4) {  // one whole chunk
+      c.corner[k] = load_global_corner<16>(m.valid & (1u << k), at);
+    } else {
+      c.corner[k] = load_split_corner(m.valid & (1u << k), at, half_bytes);
+    }
   }
   return c;
 }
@@ -348,6 +384,39 @@ __device__ __forceinline__ MmaDots mma_point_dots(uint32_t meta_of_team0, uint32
   return MmaDots{{mine0, mine1, other0, other1}};
 }
 
+// The largest |element| of the tile's finite output-gradient rows, over the producer warp (a lane
+// per slot). Rows with a NaN or an Inf, and empty slots, take no part in the MMA (they are staged
+// as zeros), so they take none here either: the test is the consumers' finite_row, element-wise.
+__device__ __forceinline__ float tile_largest_finite(const Problem<float>& p, const LaunchShape& s, const Tile& t,
+                                                     const float* grad_output) {
+  float largest = 0.0f;
+  for (int slot = threadIdx.x & 31; slot < s.slots; slot += 32) {
+    const int query = tile_query(t, s, slot, p.queries);
+    if (query < 0) continue;
+    const float4* row = reinterpret_cast<const float4*>(
+        grad_output + ((static_cast<int64_t>(t.batch) * p.queries + query) * p.heads + t.head) * p.channels);
+    float m = 0.0f;
+    bool finite = true;
+    for (int c = 0; c < p.channels / 4; ++c) {
+      const float4 v = __ldg(row + c);
+      finite = finite && isfinite(v.x) && isfinite(v.y) && isfinite(v.z) && isfinite(v.w);
+      m = fmaxf(m, fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
+    }
+    if (finite) largest = fmaxf(largest, m);
+  }
+  return __uint_as_float(__reduce_max_sync(0xffffffffu, __float_as_uint(largest)));  // >= 0: bits order as values
+}
+
+// Two fp32 elements as fp16 hi parts (x) and lo parts (y), each pair packed as in memory.
+__device__ __forceinline__ uint2 split_row_pair(float a, float b, float scale) {
+  a *= scale;
+  b *= scale;
+  const __half ha = __float2half_rn(a), hb = __float2half_rn(b);
+  const __half la = __float2half_rn(a - __half2float(ha)), lb = __float2half_rn(b - __half2float(hb));
+  return make_uint2(static_cast<uint32_t>(__half_as_ushort(ha)) | (static_cast<uint32_t>(__half_as_ushort(hb)) << 16),
+                    static_cast<uint32_t>(__half_as_ushort(la)) | (static_cast<uint32_t>(__half_as_ushort(lb)) << 16));
+}
+
 // The lane that holds its team's dots after mma_point_dots: t = 2 (g mod 2).
 __device__ __forceinline__ bool holds_mma_dots() {
   const int lane = threadIdx.x & 31;
@@ -357,9 +426,11 @@ __device__ __forceinline__ bool holds_mma_dots() {
 // Reduces one 16 x 8 accumulator tile (window cells x channels) into the sink: lane pairs swap
 // halves so that each lane holds four consecutive channels of one cell (even lanes row g, odd
 // lanes row g + 8). `index` is the lane's element for channel 0 of the tile; cells that no point
-// touched sum to exactly zero and are skipped.
-template <bool kScaled, typename Sink>
-__device__ __forceinline__ void reduce_mma_tile(const Sink& sink, const float (&d)[4], int64_t index, float inverse_scale) {
+// touched sum to exactly zero and are skipped. kRowScaled (fp32): the sums also undo the tile's
+// row scale, after the weight scale (each factor alone keeps them normal).
+template <bool kScaled, typename Sink, bool kRowScaled = false>
+__device__ __forceinline__ void reduce_mma_tile(const Sink& sink, const float (&d)[4], int64_t index, float inverse_scale,
+                                                float row_unscale = 1.0f) {
   const bool odd = threadIdx.x & 1;
   const float give0 = odd ? d[0] : d[2], give1 = odd ? d[1] : d[3];
   const float got0 = __shfl_xor_sync(0xffffffffu, give0, 1), got1 = __shfl_xor_sync(0xffffffffu, give1, 1);
@@ -371,6 +442,10 @@ __device__ __forceinline__ void reduce_mma_tile(const Sink& sink, const float (&
 #pragma unroll
     for (int i = 0; i < 4; ++i) v[i] *= inverse_scale;
   }
+  if constexpr (kRowScaled) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) v[i] *= row_unscale;
+  }
   sink.add(index, v);
 }
 
@@ -380,11 +455,12 @@ __device__ __forceinline__ void reduce_mma_tile(const Sink& sink, const float (&
 // the TMA add each box that holds a touched cell. Four bulk operations per row replace the lanes'
 // 16 scalar 64-bit atomics each (integer addition keeps the result bitwise reproducible). The fp32
 // sums of the fast kernels stay with vector reductions: there the same flush was slower (perf_notes,
-// session 24). `key` is the row's first cell, `row_index` its element of channel 0.
-template <bool kScaled, typename Sink>
+// session 24). `key` is the row's first cell, `row_index` its element of channel 0. kRowScaled
+// (fp32): the sums also undo the tile's row scale, as in reduce_mma_tile.
+template <bool kScaled, typename Sink, bool kRowScaled = false>
 __device__ __forceinline__ void flush_fixed_point_row(const Sink& sink, const float (&d)[4][4], uint32_t staging,
                                                       const CUtensorMap* map, int column, int key, int64_t row_index,
-                                                      int64_t key_stride, float inverse_scale) {
+                                                      int64_t key_stride, float inverse_scale, float row_unscale = 1.0f) {
   constexpr int kBoxChannels = kSwizzleRowBytes / 8;  // int64 per 128-byte box row
   constexpr int kBoxesPerHalf = 32 / kBoxChannels;
   constexpr int kBoxBytes = 8 * kSwizzleRowBytes;
@@ -402,6 +478,10 @@ __device__ __forceinline__ void flush_fixed_point_row(const Sink& sink, const fl
     if constexpr (kScaled) {
 #pragma unroll
       for (int i = 0; i < 4; ++i) v[i] *= inverse_scale;
+    }
+    if constexpr (kRowScaled) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) v[i] *= row_unscale;
     }
     const int channel = 8 * j + 4 * pair;
     // One warp vote per four values instead of a divergent branch around each conversion: only
@@ -453,15 +533,21 @@ __device__ __forceinline__ void flush_fixed_point_row(const Sink& sink, const fl
 // One warp's share of a stage's MMA: window rows of 16 cells (m-tiles) in turn, all slots (k),
 // every channel (n, 16 at a time); then it zeroes the block of A it read. kTmaFlush (fixed point,
 // 32 channels, kGroups 2: a row's sums in one pass): the row leaves through flush_fixed_point_row.
+// fp32 (split rows): A^T G = A_hi^T G_hi + A_lo^T G_hi + A_hi^T G_lo, the sums times `row_unscale`;
+// the dropped A_lo^T G_lo is below 2^-22 of the products.
 template <typename scalar_t, int kGroups, bool kTmaFlush, typename Sink>
 __device__ __forceinline__ void reduce_window_mma(uint32_t smem_base, const LaunchShape& s, const StageWindow& w,
                                                   const Sink& sink, int64_t key_stride, int64_t head_column,
-                                                  int channels, float inverse_scale, const CUtensorMap* flush_map) {
+                                                  int channels, float inverse_scale, const CUtensorMap* flush_map,
+                                                  float row_unscale = 1.0f) {
+  using mma_t = MmaElement<scalar_t>;
+  constexpr bool kHiLoRows = sizeof(scalar_t) == 4;
   static_assert(!kTmaFlush || kGroups == 2, "the TMA flush takes a row's 32 channels in one pass");
   const int warp = threadIdx.x / 32 - 1, lane = threadIdx.x & 31;
   const int k_steps = s.slots / 16;
   const uint32_t a_hi = smem_base + static_cast<uint32_t>(s.a_offset), a_lo = a_hi + static_cast<uint32_t>(s.a_bytes);
   const uint32_t rows = smem_base + static_cast<uint32_t>(s.g_offset);
+  const uint32_t rows_lo = smem_base + static_cast<uint32_t>(s.g_lo_offset);  // kHiLoRows only
   // The rows this lane addresses for ldmatrix: A^T's (slot, cell), the output gradient's (slot, channel).
   const int a_slot = (lane & 7) + ((lane >> 4) << 3), a_cell = ((lane >> 3) & 1) * 8;
   const int b_slot = (lane & 7) + (((lane >> 3) & 1) << 3), b_channel = (lane >> 4) * 8;
@@ -489,25 +575,32 @@ __device__ __forceinline__ void reduce_window_mma(uint32_t smem_base, const Laun
         for (int q = 0; q < kGroups; ++q) {
           if (q >= groups) break;
           uint32_t g[4];
-          ldmatrix_x4_trans(g, rows + static_cast<uint32_t>((16 * k + b_slot) * s.g_stride + (c0 + 16 * q + b_channel) * 2));
-          mma_16x8x16<scalar_t>(d[2 * q], hi, g[0], g[1]);
-          mma_16x8x16<scalar_t>(d[2 * q], lo, g[0], g[1]);
-          mma_16x8x16<scalar_t>(d[2 * q + 1], hi, g[2], g[3]);
-          mma_16x8x16<scalar_t>(d[2 * q + 1], lo, g[2], g[3]);
+          const uint32_t g_at = static_cast<uint32_t>((16 * k + b_slot) * s.g_stride + (c0 + 16 * q + b_channel) * 2);
+          ldmatrix_x4_trans(g, rows + g_at);
+          mma_16x8x16<mma_t>(d[2 * q], hi, g[0], g[1]);
+          mma_16x8x16<mma_t>(d[2 * q], lo, g[0], g[1]);
+          mma_16x8x16<mma_t>(d[2 * q + 1], hi, g[2], g[3]);
+          mma_16x8x16<mma_t>(d[2 * q + 1], lo, g[2], g[3]);
+          if constexpr (kHiLoRows) {
+            ldmatrix_x4_trans(g, rows_lo + g_at);
+            mma_16x8x16<mma_t>(d[2 * q], hi, g[0], g[1]);
+            mma_16x8x16<mma_t>(d[2 * q + 1], hi, g[2], g[3]);
+          }
         }
       }
-      constexpr bool kScaled = std::is_same_v<scalar_t, __half>;
+      constexpr bool kScaled = std::is_same_v<mma_t, __half>;
       if constexpr (kTmaFlush) {
         const int row_key = w.key0 + tile * w.width;  // a window row is 16 consecutive keys
-        flush_fixed_point_row<kScaled>(sink, d, smem_base + static_cast<uint32_t>(s.flush_offset + warp * s.flush_bytes), flush_map,
-                                       static_cast<int>(head_column), row_key, row_key * key_stride + head_column,
-                                       key_stride, inverse_scale);  // one pass: c0 + 32 >= channels
+        flush_fixed_point_row<kScaled, Sink, kHiLoRows>(
+            sink, d, smem_base + static_cast<uint32_t>(s.flush_offset + warp * s.flush_bytes), flush_map,
+            static_cast<int>(head_column), row_key, row_key * key_stride + head_column, key_stride, inverse_scale,
+            row_unscale);  // one pass: c0 + 32 >= channels
       } else {
 #pragma unroll
         for (int q = 0; q < kGroups; ++q) {
           if (q >= groups) break;
-          reduce_mma_tile<kScaled>(sink, d[2 * q], index + c0 + 16 * q, inverse_scale);
-          reduce_mma_tile<kScaled>(sink, d[2 * q + 1], index + c0 + 16 * q + 8, inverse_scale);
+          reduce_mma_tile<kScaled, Sink, kHiLoRows>(sink, d[2 * q], index + c0 + 16 * q, inverse_scale, row_unscale);
+          reduce_mma_tile<kScaled, Sink, kHiLoRows>(sink, d[2 * q + 1], index + c0 + 16 * q + 8, inverse_scale, row_unscale);
         }
       }
     }
@@ -532,10 +625,11 @@ constexpr bool four_ctas_built() {
   return std::is_same_v<Sink, AtomicSink<float>> && (sizeof(scalar_t) == 4 || kChunkBytes == 8);
 }
 
-// kMmaDots: an MMA kernel whose teams are four lanes (32 channels) takes the point's dot products
-// on the tensor cores too (mma_point_dots).
+// kRows32: an MMA kernel for rows of 32 channels. In fp16/bf16 (teams of four lanes) it takes the
+// point's dot products on the tensor cores too (mma_point_dots); in fixed point it flushes window
+// rows through the TMA (flush_fixed_point_row).
 template <typename scalar_t, int kChunkBytes, typename Sink, Aggregation kAggregation,
-          int kCtasPerSm = min_blocks_per_multiprocessor<scalar_t>(), bool kMmaDots = false>
+          int kCtasPerSm = min_blocks_per_multiprocessor<scalar_t>(), bool kRows32 = false>
 __global__ void __launch_bounds__(kMaxThreads, kCtasPerSm)
     backward_kernel(
     const __grid_constant__ CUtensorMap value_map, const __grid_constant__ Problem<scalar_t> p,
@@ -548,9 +642,11 @@ __global__ void __launch_bounds__(kMaxThreads, kCtasPerSm)
   constexpr int VEC = kChunkBytes / static_cast<int>(sizeof(scalar_t));
   constexpr bool kGather = kAggregation == Aggregation::kGather;
   constexpr bool kMma = kAggregation == Aggregation::kMma;
-  static_assert(!kMmaDots || (kMma && kChunkBytes == 16), "MMA dots are an MMA kernel's, in 16-byte split lanes");
-  // The deterministic MMA dots kernels flush window rows through the TMA (flush_fixed_point_row).
-  constexpr bool kTmaFlush = kMmaDots && !std::is_same_v<Sink, AtomicSink<float>>;
+  constexpr bool kHiLoRows = kMma && sizeof(scalar_t) == 4;  // fp32 rows as fp16 hi + lo (tile_row_scale)
+  static_assert(!kRows32 || (kMma && kChunkBytes == 16), "32-channel rows are an MMA kernel's, in 16-byte lanes");
+  constexpr bool kMmaDots = kRows32 && sizeof(scalar_t) == 2;
+  // The deterministic 32-channel MMA kernels flush window rows through the TMA (flush_fixed_point_row).
+  constexpr bool kTmaFlush = kRows32 && !std::is_same_v<Sink, AtomicSink<float>>;
   extern __shared__ __align__(128) char dynamic_smem[];
 
   if (!level_geometry_ok(p.spatial_shapes, p.level_start, p.levels, p.num_keys)) {
@@ -576,6 +672,15 @@ __global__ void __launch_bounds__(kMaxThreads, kCtasPerSm)
       run_producer(p, ring, &value_map, groups, num_tiles, [&](const Tile&, const StageWindow& w, int stage) {
         build_gather_index(p, ring, w, stage);
       });
+    } else if constexpr (kHiLoRows) {
+      // Each stage of a tile carries the tile's largest row element (taken at its first level).
+      int level = 0;
+      float largest = 0.0f;
+      run_producer(p, ring, &value_map, groups, num_tiles, [&](const Tile& t, const StageWindow&, int stage) {
+        if (level == 0) largest = tile_largest_finite(p, s, t, grad_output);
+        if ((threadIdx.x & 31) == 0) *mma_tile_largest(ring, stage) = largest;
+        level = level + 1 == p.levels ? 0 : level + 1;
+      });
     } else {
       run_producer(p, ring, &value_map, groups, num_tiles);
     }
@@ -598,11 +703,14 @@ __global__ void __launch_bounds__(kMaxThreads, kCtasPerSm)
     }
     mbarrier_wait(ring.full(at.stage), at.round & 1u);
     const StageWindow w = *ring.header(at.stage);
+    RowScale row_scale{1.0f, 1.0f};
+    if constexpr (kHiLoRows) row_scale = row_scale_for(*mma_tile_largest(ring, at.stage));  // read before the release
     const WindowPoint<coord_t>* meta = ring.meta(at.stage);
     const uint32_t window = smem_address(ring.window(at.stage));
     const int64_t head_offset = static_cast<int64_t>(t.head) * p.channels + cl.lane * VEC;
     const scalar_t* lane_value = p.value + head_offset;
-    const SplitLane split{cl.lane * (VEC / 2), p.channels / 2 + cl.lane * (VEC / 2)};  // MMA only
+    const SplitLane split = kHiLoRows ? SplitLane{cl.lane * VEC, cl.lane * VEC + VEC / 2}  // MMA only
+                                       : SplitLane{cl.lane * (VEC / 2), p.channels / 2 + cl.lane * (VEC / 2)};
     const int64_t head_column = static_cast<int64_t>(t.head) * p.channels;
     const int64_t row_stride = static_cast<int64_t>(w.width) * key_stride;
     for (int j = 0; j < s.slots_per_team; ++j) {
@@ -635,8 +743,18 @@ __global__ void __launch_bounds__(kMaxThreads, kCtasPerSm)
         finite_row = warp_team_all(finite, s.team);
         if (at.level == 0) {  // the B operand: the row as it is, or zeros (never a NaN in the product)
           const uint32_t staged = smem_base + static_cast<uint32_t>(s.g_offset + slot * s.g_stride);
-          st_shared_v2(staged + 2u * static_cast<uint32_t>(split.lo), finite_row ? raw_lo : make_uint2(0u, 0u));
-          st_shared_v2(staged + 2u * static_cast<uint32_t>(split.hi), finite_row ? raw_hi : make_uint2(0u, 0u));
+          if constexpr (kHiLoRows) {  // hi parts at g_offset, lo parts at g_lo_offset
+            const uint32_t lo_rows = static_cast<uint32_t>(s.g_lo_offset - s.g_offset);
+            const uint2 first = finite_row ? split_row_pair(go[0], go[1], row_scale.scale) : make_uint2(0u, 0u);
+            const uint2 second = finite_row ? split_row_pair(go[2], go[3], row_scale.scale) : make_uint2(0u, 0u);
+            st_shared_u32(staged + 2u * static_cast<uint32_t>(split.lo), first.x);
+            st_shared_u32(staged + lo_rows + 2u * static_cast<uint32_t>(split.lo), first.y);
+            st_shared_u32(staged + 2u * static_cast<uint32_t>(split.hi), second.x);
+            st_shared_u32(staged + lo_rows + 2u * static_cast<uint32_t>(split.hi), second.y);
+          } else {
+            st_shared_v2(staged + 2u * static_cast<uint32_t>(split.lo), finite_row ? raw_lo : make_uint2(0u, 0u));
+            st_shared_v2(staged + 2u * static_cast<uint32_t>(split.hi), finite_row ? raw_hi : make_uint2(0u, 0u));
+          }
         }
       } else {
         to_acc(load_vec<scalar_t, VEC>(grad_output + row * p.channels + cl.lane * VEC), go);
@@ -703,8 +821,13 @@ __global__ void __launch_bounds__(kMaxThreads, kCtasPerSm)
               lo[k] *= weight;
               hi[k] *= weight;
             }
-            sink.add(key * key_stride + head_column + split.lo, lo);
-            sink.add(key * key_stride + head_column + split.hi, hi);
+            if constexpr (kHiLoRows) {  // the halves are one whole chunk: one reduction
+              const acc_t whole[VEC] = {lo[0], lo[1], hi[0], hi[1]};
+              sink.add(key * key_stride + head_column + split.lo, whole);
+            } else {
+              sink.add(key * key_stride + head_column + split.lo, lo);
+              sink.add(key * key_stride + head_column + split.hi, hi);
+            }
           } else {
             acc_t contribution[VEC];
 #pragma unroll
@@ -762,7 +885,7 @@ __global__ void __launch_bounds__(kMaxThreads, kCtasPerSm)
         mbarrier_arrive(ring.empty(at.stage));
         reduce_window_mma<scalar_t, (kCtasPerSm < 4 || kMmaDots) ? 2 : 1, kTmaFlush>(
             smem_base, s, w, sink, key_stride, static_cast<int64_t>(t.head) * p.channels, p.channels, s.inverse_weight_scale,
-            &flush_map);
+            &flush_map, row_scale.unscale);
         consumer_barrier(s.consumer_warps * 32);  // every warp has read and zeroed its blocks of A
       } else {
         mbarrier_arrive(ring.empty(at.stage));
@@ -815,10 +938,10 @@ __global__ void __launch_bounds__(kMaxThreads, kCtasPerSm)
 
 }  // namespace
 
-// Calls f(std::bool_constant<dots>): the run-time choice of the kMmaDots kernels as a constant.
+// Calls f(std::bool_constant<rows32>): the run-time choice of the kRows32 kernels as a constant.
 template <typename F>
-void with_mma_dots(bool dots, F&& f) {
-  if (dots) {
+void with_rows32(bool rows32, F&& f) {
+  if (rows32) {
     f(std::true_type{});
   } else {
     f(std::false_type{});
@@ -848,28 +971,31 @@ Gradients backward(const ProblemTensors& problem, const at::Tensor& grad_output,
         // reference, which instantiates a host stub the device pass never registered (the launch
         // then fails with "invalid resource handle").
         using Sink = std::decay_t<decltype(sink)>;
-        // The deterministic MMA dots kernels' flush target (launch_shape gave their staging room);
-        // unused elsewhere.
+        // The deterministic 32-channel MMA kernels' flush target (launch_shape gave their staging
+        // room); unused elsewhere.
         CUtensorMap flush_map{};
         if (s.flush_bytes > 0) {
           flush_map = fixed_point_tensor_map(sink.grad, problem.batch * problem.num_keys, problem.heads * problem.channels, 8);
         }
-        if constexpr (sizeof(scalar_t) == 2) {
+        if constexpr (sizeof(scalar_t) <= 4) {
           if (s.mma) {
-            // teams of four lanes (32 channels): dots on the tensor cores too (and, deterministic, the TMA flush)
-            TORCH_CHECK((s.team == 4 && deterministic) == (s.flush_bytes > 0),
-                        "mmdeform_tma tma_ws: the deterministic MMA dots kernel without its flush room");
-            with_mma_dots(s.team == 4, [&](auto dots) {
-              constexpr bool kDots = decltype(dots)::value;
+            // Rows of 32 channels: in fp16/bf16 the dots on the tensor cores too; deterministic, the
+            // TMA flush (fp32's fast kernel has neither: it is built once)
+            const bool rows32 = problem.channels == 32;
+            TORCH_CHECK((rows32 && deterministic) == (s.flush_bytes > 0),
+                        "mmdeform_tma tma_ws: the deterministic 32-channel MMA kernel without its flush room");
+            constexpr bool kRows32Built = sizeof(scalar_t) == 2 || !std::is_same_v<Sink, AtomicSink<float>>;
+            with_rows32(rows32, [&](auto flag) {
+              constexpr bool kRows32 = kRows32Built && decltype(flag)::value;
               constexpr int kMinCtas = min_blocks_per_multiprocessor<scalar_t>();
               if constexpr (std::is_same_v<Sink, AtomicSink<float>>) {  // the fixed-point one spills at 96 registers
                 if (s.ctas_per_sm == 4) {
-                  launch_persistent<scalar_t>(backward_kernel<scalar_t, kMmaChunkBytes, Sink, Aggregation::kMma, 4, kDots>,
+                  launch_persistent<scalar_t>(backward_kernel<scalar_t, kMmaChunkBytes, Sink, Aggregation::kMma, 4, kRows32>,
                                               problem, s, flush_map, go, sink, grad_locations, grad_weights);
                   return;
                 }
               }
-              launch_persistent<scalar_t>(backward_kernel<scalar_t, kMmaChunkBytes, Sink, Aggregation::kMma, kMinCtas, kDots>,
+              launch_persistent<scalar_t>(backward_kernel<scalar_t, kMmaChunkBytes, Sink, Aggregation::kMma, kMinCtas, kRows32>,
                                           problem, s, flush_map, go, sink, grad_locations, grad_weights);
             });
             return;

@@ -110,9 +110,11 @@ LaunchShape shape_for(const ProblemTensors& problem, const Config& config, int c
   s.a_bytes = s.mma ? round128(s.slots * s.a_stride) : 0;
   s.g_offset = s.a_offset + 2 * s.a_bytes;
   s.g_stride = s.mma ? (static_cast<int>(problem.channels) + 8) * 2 : 0;
-  s.barrier_offset = s.g_offset + (s.mma ? round128(s.slots * s.g_stride) : 0);
+  const int g_bytes = s.mma ? round128(s.slots * s.g_stride) : 0;
+  s.g_lo_offset = s.mma && element == 4 ? s.g_offset + g_bytes : 0;
+  s.barrier_offset = s.g_offset + (s.g_lo_offset > 0 ? 2 : 1) * g_bytes;
   s.weight_scale = 1.0f;
-  if (s.mma && problem.value.scalar_type() == at::kHalf) {  // the largest power of two <= 2^15 / points
+  if (s.mma && problem.value.scalar_type() != at::kBFloat16) {  // fp16 A: the largest power of two <= 2^15 / points
     s.weight_scale = 32768.0f;
     while (s.weight_scale > 1.0f && s.weight_scale * static_cast<float>(problem.points) > 32768.0f) s.weight_scale *= 0.5f;
   }
@@ -121,7 +123,7 @@ LaunchShape shape_for(const ProblemTensors& problem, const Config& config, int c
   // A window row (kMmaWindowSide cells) of every channel per consumer warp, after the barriers (the
   // slack is then not needed: the kernels check the base's alignment).
   s.flush_offset = s.flush_bytes = 0;
-  if (s.mma && s.team == 4 && flush_element_bytes > 0) {
+  if (s.mma && problem.channels == 32 && flush_element_bytes > 0) {
     s.flush_offset = (s.barrier_offset + round128(2 * s.stages * 8) + 1023) / 1024 * 1024;
     s.flush_bytes = kMmaWindowSide * static_cast<int>(problem.channels) * flush_element_bytes;
     s.total_bytes = s.flush_offset + s.consumer_warps * s.flush_bytes;

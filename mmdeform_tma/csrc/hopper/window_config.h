@@ -90,21 +90,26 @@ struct LaunchShape {
   // The window is loaded (TMA) for the consumers' corner reads; false for the MMA backward, whose
   // window only places the accumulation cells.
   bool load_window;
-  // MMA backward (configs with `mma`, for fp16/bf16 rows of 32-128 channels and tiles of 16, 32
-  // or 64 slots): the tile's weights per (slot, window cell) as hi and lo 16-bit arrays (rows of
-  // a_stride bytes, a_bytes each), and its output-gradient rows in value's dtype (g_stride bytes).
+  // MMA backward (configs with `mma`, for fp16/bf16 rows of 32-128 channels, fp32 rows of 16-64,
+  // and tiles of 16, 32 or 64 slots): the tile's weights per (slot, window cell) as hi and lo 16-bit
+  // arrays (rows of a_stride bytes, a_bytes each), and its output-gradient rows (g_stride bytes):
+  // in value's dtype, or for fp32 as fp16 hi parts at g_offset and lo parts at g_lo_offset (last).
   bool mma;
   int a_offset, a_stride, a_bytes;
   int g_offset, g_stride;
-  // Deterministic MMA backward with teams of four lanes (32 channels): each warp stages a window
+  // Deterministic MMA backward for rows of 32 channels: each warp stages a window
   // row's fixed-point sums in shared memory (flush_bytes at flush_offset + warp x flush_bytes,
   // 1024-byte aligned) and the TMA adds them to the value gradient (window_backward.cu). 0: the warps
   // reduce their sums through the sink.
   int flush_offset, flush_bytes;
-  // fp16: a (slot, cell) entry of A sums at most `points` weights of |a| <= 1 (larger ones take the
-  // direct path), so 2^15 / points keeps it finite and its lo part normal down to weights of about
-  // points x 2^-18. bf16 has fp32's range: 1. Read from the parameter bank, not a register.
+  // fp16 (and fp32, whose A is fp16): a (slot, cell) entry of A sums at most `points` weights of
+  // |a| <= 1 (larger ones take the direct path), so 2^15 / points keeps it finite and its lo part
+  // normal down to weights of about points x 2^-18. bf16 has fp32's range: 1. Read from the
+  // parameter bank, not a register.
   float weight_scale, inverse_weight_scale;
+  // fp32 MMA: the lo parts of the staged rows; 0 otherwise. Last, so that adding it moved no field
+  // the older kernels read (their machine code stayed byte-identical: tools/kernel_code_diff.py).
+  int g_lo_offset;
 };
 
 // The geometry `config` gives for this problem (-1: the default heuristic); throws with the reason
