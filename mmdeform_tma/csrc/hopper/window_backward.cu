@@ -215,12 +215,18 @@ enum class Aggregation {
   kMma,     // summed per window cell on the tensor cores
 };
 
-// The MMA kernel's lane chunk: 16 bytes (8 halves, 4 floats), so a row of 32-128 half or 16-64
-// float channels is a team of 4-16 lanes; teams of at least 4 write a point's four corners at once.
-constexpr int kMmaChunkBytes = 16;
+// The MMA kernel's lane chunk: 8 channels, 16 bytes of halves or 32 of floats, so a row of 32-128
+// half channels is a team of 4-16 lanes; teams of at least 4 write a point's four corners at once.
+// Teams of four (32 channels) hold eight points per warp, where 16-byte float chunks would hold four
+// and pay each point's metadata, sums and stores twice per warp: the fp16 MMA kernel ran 24 %
+// under the plain one, the fp32 one with 16-byte chunks 2 % (perf_notes, session 25). fp32 rows
+// take it at 32 channels only: 32-byte chunks spill at 64 (the fixed-point kernel) and at 4 CTAs
+// per SM, so the fp32 `_o4` configs run the 3-CTA kernel.
+constexpr int mma_chunk_bytes(int element_size) { return 8 * element_size; }
 constexpr bool mma_built(int element_size, int64_t channels) {
-  return (element_size == 2 || element_size == 4) && channels % 16 == 0 &&
-         channels * element_size >= 4 * kMmaChunkBytes && channels * element_size <= 256;
+  if (element_size == 4) return channels == 32;
+  return element_size == 2 && channels % 16 == 0 && channels * element_size >= 4 * mma_chunk_bytes(element_size) &&
+         channels * element_size <= 256;
 }
 constexpr int kMmaMaxKSteps = kMmaMaxSlots / 16;
 
@@ -269,9 +275,7 @@ __device__ __forceinline__ void add_mma_weight(uint32_t smem_base, const LaunchS
 // then leave as two vector reductions that each cover whole 32-byte sectors across the team, as
 // the 8-byte-lane kernels' do; one 16-byte chunk per lane would cover half of every sector twice,
 // twice the L2 operations on the path that uniform sampling (no window pays) takes for every point.
-// fp32 lanes hold one whole 16-byte chunk instead (hi = lo + 2): four floats per lane already
-// cover whole sectors across the team, and one load per corner touches each row's line once,
-// where two 8-byte halves took two L1 wavefronts per row.
+// fp32 lanes hold two 16-byte halves of four floats each, loaded and reduced as 16-byte vectors.
 struct SplitLane {
   int lo, hi;  // the lane's first channel of each half
 };
@@ -279,34 +283,46 @@ struct SplitLane {
 // A corner's two halves from global memory (through L1), or zeros (in registers, as load_corner)
 // when `valid` is 0; the second half lies `half_bytes` after the first. Volatile: never moved
 // above the wait that makes the stage visible.
-__device__ __forceinline__ Chunk<16> load_split_corner(uint32_t valid, const void* global, uint32_t half_bytes) {
-  Chunk<16> c;
-  asm volatile(
-      "{\n .reg .pred p;\n .reg .b64 g;\n setp.ne.u32 p, %4, 0;\n"
-      " cvt.u64.u32 g, %6;\n add.s64 g, g, %5;\n"
-      " mov.b32 %0, 0;\n mov.b32 %1, 0;\n mov.b32 %2, 0;\n mov.b32 %3, 0;\n"
-      " @p ld.global.nc.v2.u32 {%0, %1}, [%5];\n"
-      " @p ld.global.nc.v2.u32 {%2, %3}, [g];\n}"
-      : "=r"(c.r[0]), "=r"(c.r[1]), "=r"(c.r[2]), "=r"(c.r[3])
-      : "r"(valid), "l"(global), "r"(half_bytes));
+template <int BYTES>
+__device__ __forceinline__ Chunk<BYTES> load_split_corner(uint32_t valid, const void* global, uint32_t half_bytes) {
+  static_assert(BYTES == 16 || BYTES == 32, "16-byte (halves) or 32-byte (floats) chunks");
+  Chunk<BYTES> c;
+  if constexpr (BYTES == 16) {
+    asm volatile(
+        "{\n .reg .pred p;\n .reg .b64 g;\n setp.ne.u32 p, %4, 0;\n"
+        " cvt.u64.u32 g, %6;\n add.s64 g, g, %5;\n"
+        " mov.b32 %0, 0;\n mov.b32 %1, 0;\n mov.b32 %2, 0;\n mov.b32 %3, 0;\n"
+        " @p ld.global.nc.v2.u32 {%0, %1}, [%5];\n"
+        " @p ld.global.nc.v2.u32 {%2, %3}, [g];\n}"
+        : "=r"(c.r[0]), "=r"(c.r[1]), "=r"(c.r[2]), "=r"(c.r[3])
+        : "r"(valid), "l"(global), "r"(half_bytes));
+  } else {
+    asm volatile(
+        "{\n .reg .pred p;\n .reg .b64 g;\n setp.ne.u32 p, %8, 0;\n"
+        " cvt.u64.u32 g, %10;\n add.s64 g, g, %9;\n"
+        " mov.b32 %0, 0;\n mov.b32 %1, 0;\n mov.b32 %2, 0;\n mov.b32 %3, 0;\n"
+        " mov.b32 %4, 0;\n mov.b32 %5, 0;\n mov.b32 %6, 0;\n mov.b32 %7, 0;\n"
+        " @p ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%9];\n"
+        " @p ld.global.nc.v4.u32 {%4, %5, %6, %7}, [g];\n}"
+        : "=r"(c.r[0]), "=r"(c.r[1]), "=r"(c.r[2]), "=r"(c.r[3]), "=r"(c.r[4]), "=r"(c.r[5]), "=r"(c.r[6]),
+          "=r"(c.r[7])
+        : "r"(valid), "l"(global), "r"(half_bytes));
+  }
   return c;
 }
 
-// The four corners of a point in the lane's layout (SplitLane); `value` points at the head's channel 0.
-template <typename scalar_t>
-__device__ __forceinline__ PointCorners<16> load_split_point(const WindowPoint<float>& m, const SplitLane& lane,
-                                                             const scalar_t* value, int64_t key_stride, int64_t row_stride) {
+// The four corners of a point in the split layout; `value` points at the head's channel 0.
+template <typename scalar_t, int BYTES>
+__device__ __forceinline__ PointCorners<BYTES> load_split_point(const WindowPoint<float>& m, const SplitLane& lane,
+                                                                const scalar_t* value, int64_t key_stride,
+                                                                int64_t row_stride) {
   const scalar_t* corner = value + static_cast<int64_t>(m.key) * key_stride + lane.lo;
   const uint32_t half_bytes = static_cast<uint32_t>(sizeof(scalar_t)) * static_cast<uint32_t>(lane.hi - lane.lo);
-  PointCorners<16> c;
+  PointCorners<BYTES> c;
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
     const scalar_t* at = corner + ((k & 1) ? key_stride : 0) + ((k & 2) ? row_stride : 0);
-    if constexpr (sizeof(scalar_t) == 4) {  // one whole chunk
-      c.corner[k] = load_global_corner<16>(m.valid & (1u << k), at);
-    } else {
-      c.corner[k] = load_split_corner(m.valid & (1u << k), at, half_bytes);
-    }
+    c.corner[k] = load_split_corner<BYTES>(m.valid & (1u << k), at, half_bytes);
   }
   return c;
 }
@@ -643,7 +659,8 @@ __global__ void __launch_bounds__(kMaxThreads, kCtasPerSm)
   constexpr bool kGather = kAggregation == Aggregation::kGather;
   constexpr bool kMma = kAggregation == Aggregation::kMma;
   constexpr bool kHiLoRows = kMma && sizeof(scalar_t) == 4;  // fp32 rows as fp16 hi + lo (tile_row_scale)
-  static_assert(!kRows32 || (kMma && kChunkBytes == 16), "32-channel rows are an MMA kernel's, in 16-byte lanes");
+  static_assert(!kMma || kChunkBytes == mma_chunk_bytes(sizeof(scalar_t)), "the MMA kernel's lanes hold 8 channels");
+  static_assert(!kRows32 || kMma, "32-channel rows are an MMA kernel's");
   constexpr bool kMmaDots = kRows32 && sizeof(scalar_t) == 2;
   // The deterministic 32-channel MMA kernels flush window rows through the TMA (flush_fixed_point_row).
   constexpr bool kTmaFlush = kRows32 && !std::is_same_v<Sink, AtomicSink<float>>;
@@ -709,8 +726,7 @@ __global__ void __launch_bounds__(kMaxThreads, kCtasPerSm)
     const uint32_t window = smem_address(ring.window(at.stage));
     const int64_t head_offset = static_cast<int64_t>(t.head) * p.channels + cl.lane * VEC;
     const scalar_t* lane_value = p.value + head_offset;
-    const SplitLane split = kHiLoRows ? SplitLane{cl.lane * VEC, cl.lane * VEC + VEC / 2}  // MMA only
-                                       : SplitLane{cl.lane * (VEC / 2), p.channels / 2 + cl.lane * (VEC / 2)};
+    const SplitLane split{cl.lane * (VEC / 2), p.channels / 2 + cl.lane * (VEC / 2)};  // MMA only
     const int64_t head_column = static_cast<int64_t>(t.head) * p.channels;
     const int64_t row_stride = static_cast<int64_t>(w.width) * key_stride;
     for (int j = 0; j < s.slots_per_team; ++j) {
@@ -745,12 +761,13 @@ __global__ void __launch_bounds__(kMaxThreads, kCtasPerSm)
           const uint32_t staged = smem_base + static_cast<uint32_t>(s.g_offset + slot * s.g_stride);
           if constexpr (kHiLoRows) {  // hi parts at g_offset, lo parts at g_lo_offset
             const uint32_t lo_rows = static_cast<uint32_t>(s.g_lo_offset - s.g_offset);
-            const uint2 first = finite_row ? split_row_pair(go[0], go[1], row_scale.scale) : make_uint2(0u, 0u);
-            const uint2 second = finite_row ? split_row_pair(go[2], go[3], row_scale.scale) : make_uint2(0u, 0u);
-            st_shared_u32(staged + 2u * static_cast<uint32_t>(split.lo), first.x);
-            st_shared_u32(staged + lo_rows + 2u * static_cast<uint32_t>(split.lo), first.y);
-            st_shared_u32(staged + 2u * static_cast<uint32_t>(split.hi), second.x);
-            st_shared_u32(staged + lo_rows + 2u * static_cast<uint32_t>(split.hi), second.y);
+#pragma unroll
+            for (int i = 0; i < VEC; i += 2) {
+              const int channel = (i < kHalf ? split.lo : split.hi - kHalf) + i;
+              const uint2 pair = finite_row ? split_row_pair(go[i], go[i + 1], row_scale.scale) : make_uint2(0u, 0u);
+              st_shared_u32(staged + 2u * static_cast<uint32_t>(channel), pair.x);
+              st_shared_u32(staged + lo_rows + 2u * static_cast<uint32_t>(channel), pair.y);
+            }
           } else {
             st_shared_v2(staged + 2u * static_cast<uint32_t>(split.lo), finite_row ? raw_lo : make_uint2(0u, 0u));
             st_shared_v2(staged + 2u * static_cast<uint32_t>(split.hi), finite_row ? raw_hi : make_uint2(0u, 0u));
@@ -775,7 +792,9 @@ __global__ void __launch_bounds__(kMaxThreads, kCtasPerSm)
         const WindowPoint<coord_t> m = slot_meta[point];
         PointCorners<kChunkBytes> corners;
         if constexpr (kMma) {
-          if constexpr (!kMmaDots) corners = load_split_point(m, split, p.value + head_column, key_stride, row_stride);
+          if constexpr (!kMmaDots) {
+            corners = load_split_point<scalar_t, kChunkBytes>(m, split, p.value + head_column, key_stride, row_stride);
+          }
         } else {
           corners = load_point<scalar_t, VEC>(m, s.load_window && w.rows > 0, window, s, cl, lane_value, key_stride,
                                               row_stride);
@@ -821,13 +840,8 @@ __global__ void __launch_bounds__(kMaxThreads, kCtasPerSm)
               lo[k] *= weight;
               hi[k] *= weight;
             }
-            if constexpr (kHiLoRows) {  // the halves are one whole chunk: one reduction
-              const acc_t whole[VEC] = {lo[0], lo[1], hi[0], hi[1]};
-              sink.add(key * key_stride + head_column + split.lo, whole);
-            } else {
-              sink.add(key * key_stride + head_column + split.lo, lo);
-              sink.add(key * key_stride + head_column + split.hi, hi);
-            }
+            sink.add(key * key_stride + head_column + split.lo, lo);
+            sink.add(key * key_stride + head_column + split.hi, hi);
           } else {
             acc_t contribution[VEC];
 #pragma unroll
@@ -957,7 +971,7 @@ Gradients backward(const ProblemTensors& problem, const at::Tensor& grad_output,
   const int entry_size = gather_built(element, chunk_bytes) ? static_cast<int>(sizeof(GatherEntry<float>)) : 0;
   LaunchShape s{};
   if ((config < 0 || is_mma_config(config)) && mma_built(element, problem.channels)) {
-    s = launch_shape(problem, config, kMmaChunkBytes, meta_size, kMaxBackwardSlotsPerTeam, true, 0, true,
+    s = launch_shape(problem, config, mma_chunk_bytes(element), meta_size, kMaxBackwardSlotsPerTeam, true, 0, true,
                      deterministic ? 8 : 0);
   }
   if (!s.mma) {  // any other config or problem; an MMA config whose tile the MMA cannot take runs without a window
@@ -979,16 +993,19 @@ Gradients backward(const ProblemTensors& problem, const at::Tensor& grad_output,
         }
         if constexpr (sizeof(scalar_t) <= 4) {
           if (s.mma) {
-            // Rows of 32 channels: in fp16/bf16 the dots on the tensor cores too; deterministic, the
-            // TMA flush (fp32's fast kernel has neither: it is built once)
+            // Rows of 32 channels (fp32's only ones): in fp16/bf16 the dots on the tensor cores too;
+            // deterministic, the TMA flush. fp32's fast kernel has neither, so it is built once.
             const bool rows32 = problem.channels == 32;
             TORCH_CHECK((rows32 && deterministic) == (s.flush_bytes > 0),
                         "mmdeform_tma tma_ws: the deterministic 32-channel MMA kernel without its flush room");
-            constexpr bool kRows32Built = sizeof(scalar_t) == 2 || !std::is_same_v<Sink, AtomicSink<float>>;
+            constexpr bool kHalfRows = sizeof(scalar_t) == 2;
+            constexpr bool kFixedPoint = !std::is_same_v<Sink, AtomicSink<float>>;
             with_rows32(rows32, [&](auto flag) {
-              constexpr bool kRows32 = kRows32Built && decltype(flag)::value;
+              constexpr bool kRows32 = kHalfRows ? decltype(flag)::value : kFixedPoint;
               constexpr int kMinCtas = min_blocks_per_multiprocessor<scalar_t>();
-              if constexpr (std::is_same_v<Sink, AtomicSink<float>>) {  // the fixed-point one spills at 96 registers
+              constexpr int kMmaChunkBytes = mma_chunk_bytes(sizeof(scalar_t));
+              // fixed point, and fp32's 32-byte lanes, spill at 96 registers
+              if constexpr (kHalfRows && !kFixedPoint) {
                 if (s.ctas_per_sm == 4) {
                   launch_persistent<scalar_t>(backward_kernel<scalar_t, kMmaChunkBytes, Sink, Aggregation::kMma, 4, kRows32>,
                                               problem, s, flush_map, go, sink, grad_locations, grad_weights);

@@ -356,6 +356,10 @@ template <>
 struct Chunk<8> {
   uint32_t r[2];
 };
+template <>
+struct Chunk<32> {  // the fp32 MMA backward's lanes (window_backward.cu)
+  uint32_t r[8];
+};
 
 // A corner chunk: from shared memory (the window) when `from_window`, else from global memory
 // (through L1) when `from_global`, else zeros. The zeros are set in registers: reading them from
