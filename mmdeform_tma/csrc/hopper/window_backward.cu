@@ -220,8 +220,8 @@ enum class Aggregation {
 // Teams of four (32 channels) hold eight points per warp, where 16-byte float chunks would hold four
 // and pay each point's metadata, sums and stores twice per warp: the fp16 MMA kernel ran 24 %
 // under the plain one, the fp32 one with 16-byte chunks 2 % (perf_notes, session 25). fp32 rows
-// take it at 32 channels only: 32-byte chunks spill at 64 (the fixed-point kernel) and at 4 CTAs
-// per SM, so the fp32 `_o4` configs run the 3-CTA kernel.
+// take it at 32 channels only: 32-byte chunks spill at 64 channels (the fixed-point kernel) and
+// at 4 CTAs per SM, so the fp32 `_o4` configs run the 3-CTA kernel.
 constexpr int mma_chunk_bytes(int element_size) { return 8 * element_size; }
 constexpr bool mma_built(int element_size, int64_t channels) {
   if (element_size == 4) return channels == 32;
@@ -549,7 +549,7 @@ __device__ __forceinline__ void flush_fixed_point_row(const Sink& sink, const fl
 // One warp's share of a stage's MMA: window rows of 16 cells (m-tiles) in turn, all slots (k),
 // every channel (n, 16 at a time); then it zeroes the block of A it read. kTmaFlush (fixed point,
 // 32 channels, kGroups 2: a row's sums in one pass): the row leaves through flush_fixed_point_row.
-// fp32 (split rows): A^T G = A_hi^T G_hi + A_lo^T G_hi + A_hi^T G_lo, the sums times `row_unscale`;
+// fp32 (hi + lo rows): A^T G = A_hi^T G_hi + A_lo^T G_hi + A_hi^T G_lo, the sums times `row_unscale`;
 // the dropped A_lo^T G_lo is below 2^-22 of the products.
 template <typename scalar_t, int kGroups, bool kTmaFlush, typename Sink>
 __device__ __forceinline__ void reduce_window_mma(uint32_t smem_base, const LaunchShape& s, const StageWindow& w,
@@ -658,7 +658,7 @@ __global__ void __launch_bounds__(kMaxThreads, kCtasPerSm)
   constexpr int VEC = kChunkBytes / static_cast<int>(sizeof(scalar_t));
   constexpr bool kGather = kAggregation == Aggregation::kGather;
   constexpr bool kMma = kAggregation == Aggregation::kMma;
-  constexpr bool kHiLoRows = kMma && sizeof(scalar_t) == 4;  // fp32 rows as fp16 hi + lo (tile_row_scale)
+  constexpr bool kHiLoRows = kMma && sizeof(scalar_t) == 4;  // fp32 rows as fp16 hi + lo (tile_largest_finite)
   static_assert(!kMma || kChunkBytes == mma_chunk_bytes(sizeof(scalar_t)), "the MMA kernel's lanes hold 8 channels");
   static_assert(!kRows32 || kMma, "32-channel rows are an MMA kernel's");
   constexpr bool kMmaDots = kRows32 && sizeof(scalar_t) == 2;
