@@ -41,7 +41,8 @@ Config default_config(const ProblemTensors& problem, int team, bool backward, bo
   if (backward && pixel_tiles && mma_kernel) {
     // The MMA backward at 4 CTAs per SM: 0.81 ms against 1.06 for the best plain config on the
     // fp16 DETR encoder at bs 2, 3.14 against 4.20 at bs 8 (H100, 2026-11-24, commit 3366067;
-    // perf_notes.md, session 12).
+    // perf_notes.md, session 12). fp32 (32 channels, the 3-CTA kernel): 0.879 against 1.011 for
+    // the gather config at bs 2 (H100, 2026-11-25, commit 4e77ea3; session 25).
     return Config{"auto", 4, 32, 2, 0, false, 4, true};
   }
   Config c{"auto", 4, backward ? 32 : 64, 3, backward && pixel_tiles ? 16 : 0};
