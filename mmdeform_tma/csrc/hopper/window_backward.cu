@@ -439,11 +439,24 @@ __device__ __forceinline__ bool holds_mma_dots() {
   return (lane & 3) == 2 * ((lane >> 2) & 1);
 }
 
+// Four MMA sums times the inverse of the weight scale (kScaled: fp16 A) and then of the tile's row
+// scale (kRowScaled: fp32 rows); each factor alone keeps them normal.
+template <bool kScaled, bool kRowScaled>
+__device__ __forceinline__ void undo_operand_scales(float (&v)[4], float inverse_scale, float row_unscale) {
+  if constexpr (kScaled) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) v[i] *= inverse_scale;
+  }
+  if constexpr (kRowScaled) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) v[i] *= row_unscale;
+  }
+}
+
 // Reduces one 16 x 8 accumulator tile (window cells x channels) into the sink: lane pairs swap
 // halves so that each lane holds four consecutive channels of one cell (even lanes row g, odd
 // lanes row g + 8). `index` is the lane's element for channel 0 of the tile; cells that no point
-// touched sum to exactly zero and are skipped. kRowScaled (fp32): the sums also undo the tile's
-// row scale, after the weight scale (each factor alone keeps them normal).
+// touched sum to exactly zero and are skipped.
 template <bool kScaled, typename Sink, bool kRowScaled = false>
 __device__ __forceinline__ void reduce_mma_tile(const Sink& sink, const float (&d)[4], int64_t index, float inverse_scale,
                                                 float row_unscale = 1.0f) {
@@ -454,14 +467,7 @@ __device__ __forceinline__ void reduce_mma_tile(const Sink& sink, const float (&
   // +-0 in all four (the bits past the sign), as every channel of an untouched cell is
   const uint32_t bits = __float_as_uint(v[0]) | __float_as_uint(v[1]) | __float_as_uint(v[2]) | __float_as_uint(v[3]);
   if ((bits << 1) == 0u) return;
-  if constexpr (kScaled) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) v[i] *= inverse_scale;
-  }
-  if constexpr (kRowScaled) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) v[i] *= row_unscale;
-  }
+  undo_operand_scales<kScaled, kRowScaled>(v, inverse_scale, row_unscale);
   sink.add(index, v);
 }
 
@@ -472,7 +478,7 @@ __device__ __forceinline__ void reduce_mma_tile(const Sink& sink, const float (&
 // 16 scalar 64-bit atomics each (integer addition keeps the result bitwise reproducible). The fp32
 // sums of the fast kernels stay with vector reductions: there the same flush was slower (perf_notes,
 // session 24). `key` is the row's first cell, `row_index` its element of channel 0. kRowScaled
-// (fp32): the sums also undo the tile's row scale, as in reduce_mma_tile.
+// (fp32): the sums also undo the tile's row scale (undo_operand_scales).
 template <bool kScaled, typename Sink, bool kRowScaled = false>
 __device__ __forceinline__ void flush_fixed_point_row(const Sink& sink, const float (&d)[4][4], uint32_t staging,
                                                       const CUtensorMap* map, int column, int key, int64_t row_index,
@@ -491,14 +497,7 @@ __device__ __forceinline__ void flush_fixed_point_row(const Sink& sink, const fl
     const float give0 = half ? d[j][0] : d[j][2], give1 = half ? d[j][1] : d[j][3];
     const float got0 = __shfl_xor_sync(0xffffffffu, give0, 1), got1 = __shfl_xor_sync(0xffffffffu, give1, 1);
     float v[4] = {half ? got0 : d[j][0], half ? got1 : d[j][1], half ? d[j][2] : got0, half ? d[j][3] : got1};
-    if constexpr (kScaled) {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) v[i] *= inverse_scale;
-    }
-    if constexpr (kRowScaled) {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) v[i] *= row_unscale;
-    }
+    undo_operand_scales<kScaled, kRowScaled>(v, inverse_scale, row_unscale);
     const int channel = 8 * j + 4 * pair;
     // One warp vote per four values instead of a divergent branch around each conversion: only
     // a warp holding a value without fixed point (NaN, +-Inf) takes to_fixed's flag path.

@@ -90,7 +90,7 @@ struct LaunchShape {
   // The window is loaded (TMA) for the consumers' corner reads; false for the MMA backward, whose
   // window only places the accumulation cells.
   bool load_window;
-  // MMA backward (configs with `mma`, for fp16/bf16 rows of 32-128 channels, fp32 rows of 16-64,
+  // MMA backward (configs with `mma`, for fp16/bf16 rows of 32-128 channels, fp32 rows of 32,
   // and tiles of 16, 32 or 64 slots): the tile's weights per (slot, window cell) as hi and lo 16-bit
   // arrays (rows of a_stride bytes, a_bytes each), and its output-gradient rows (g_stride bytes):
   // in value's dtype, or for fp32 as fp16 hi parts at g_offset and lo parts at g_lo_offset (last).
