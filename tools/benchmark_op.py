@@ -81,6 +81,7 @@ PRESETS = {
         Shape("detr_enc_bs2", tuple(DETR_LEVELS), 2, None),
         Shape("detr_enc_bs8", tuple(DETR_LEVELS), 8, None),
         Shape("detr_dec_bs1", tuple(DETR_LEVELS), 1, 300),
+        Shape("detr_dec_bs1_q100", tuple(DETR_LEVELS), 1, 100),
         Shape("detr_dec_bs2", tuple(DETR_LEVELS), 2, 300),
         Shape("detr_dec_bs8", tuple(DETR_LEVELS), 8, 300),
         Shape("dino_enc_bs2", tuple(DETR_LEVELS), 2, None),

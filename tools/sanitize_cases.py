@@ -6,8 +6,8 @@
 
 Covers every dtype, the fast and the deterministic backward, partial tiles and points outside the
 levels, and for tma_ws every compiled variant with windows (TMA windows, and the MMA backward's
-accumulation windows) on an encoder problem (one query per pixel: pixel-block tiles) and a
-decoder one. Prints one line per case; any error the tool finds is reported by compute-sanitizer
+accumulation windows) on encoder problems (one query per pixel: pixel-block tiles; sampled
+locally, and uniformly over a level larger than a window) and a decoder one. Prints one line per case; any error the tool finds is reported by compute-sanitizer
 itself.
 """
 
@@ -28,9 +28,13 @@ ops = torch.ops.mmdeform_tma
 def window_variants(dtype: torch.dtype) -> None:
     """tma_ws's windowed and MMA variants, called through the ops with their config index."""
     encoder = [(9, 13), (5, 7), (3, 4)]  # 165 keys = queries
-    for locality, queries in (("encoder", sum(h * w for h, w in encoder)), ("local", 40)):
+    # One query per key sampled uniformly over a level larger than the MMA's 16 x 16 window: stages
+    # without a window (the paired-team reductions) beside windowed ones.
+    spread = [(24, 36), (12, 18)]  # 1080 keys = queries
+    cases = (("encoder", encoder, 165), ("local", encoder, 40), ("uniform", spread, 1080))
+    for locality, levels, queries in cases:
         g = torch.Generator().manual_seed(1)
-        problem = make_problem(encoder, batch=2, queries=queries, heads=2, channels=32, points=4, dtype=dtype,
+        problem = make_problem(levels, batch=2, queries=queries, heads=2, channels=32, points=4, dtype=dtype,
                                generator=g, locality=locality)
         args = problem.to(device="cuda", dtype=dtype, coord_dtype=problem.sampling_locations.dtype).args()
         grad = torch.randn(2, queries, 64, device="cuda", dtype=dtype)

@@ -47,6 +47,10 @@ CASES = [
     ("encoder_c64_odd", [(17, 23), (9, 12), (5, 6)], 1, 529, 4, 64, 2, "encoder"),
     ("encoder_c8_p8", [(20, 13), (10, 7)], 2, 330, 2, 8, 8, "encoder"),
 ]
+# One query per key, sampled uniformly: pixel-block tiles whose points spread over a level larger
+# than a 16 x 16 window, so the MMA backward has stages without a window (every point direct, the
+# paired-team reductions) beside windowed ones (the smaller levels).
+ENCODER_UNIFORM = ("encoder_uniform", [(24, 36), (12, 18), (6, 9), (3, 5)], 2, 1149, 8, 32, 4, "uniform")
 
 
 def skip_unless_supported(name: str, inputs):
@@ -331,12 +335,12 @@ def mma_configs() -> list[tuple[int, str]]:
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
-@pytest.mark.parametrize("case", [CASES[9], CASES[10], CASES[0]], ids=lambda c: c[0])
+@pytest.mark.parametrize("case", [CASES[9], CASES[10], ENCODER_UNIFORM, CASES[0]], ids=lambda c: c[0])
 def test_tma_ws_mma_backward_against_float64(case, dtype):
     """The tensor-core backward (`_m16` configs) in its three dtypes (fp32 on fp16 hi + lo
-    operands): on encoders (pixel-block tiles with windows: 32 and 64 channels) and a decoder
-    (strips: the configs run without a window), fast and deterministic, the deterministic one
-    bitwise the same twice."""
+    operands): on encoders (pixel-block tiles with windows: 32 and 64 channels; uniformly sampled,
+    with stages that have none) and a decoder (strips: the configs run without a window), fast and
+    deterministic, the deterministic one bitwise the same twice."""
     problem = cuda_problem(case, dtype, seed=19)
     skip_unless_supported("tma_ws", validate(*problem.args()))
     answers = float64_answers(problem, dtype)
@@ -371,6 +375,26 @@ def test_tma_ws_mma_backward_non_finite_rows_and_large_weights(deterministic):
         assert torch.equal(torch.isnan(got), torch.isnan(want)), name
         assert torch.equal(torch.isinf(got), torch.isinf(want)) and torch.equal(got[torch.isinf(want)], want[torch.isinf(want)].half()), name
         check(got[finite], want[finite], f"{name} finite grad_value")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+def test_tma_ws_heads_outer_tile_order_against_float64(dtype):
+    """A value of 61 MB (fp16) or 123 MB (fp32), past 3/4 of any Hopper L2: the tma_ws kernels walk
+    their tiles heads outer (window_config.cpp, tile_order_heads_outer), forward and backward, with
+    the tuned configs and the default heuristic."""
+    problem = cuda_problem(("large_value", [(300, 400)], 1, 4096, 8, 32, 4, "uniform"), dtype, seed=41)
+    skip_unless_supported("tma_ws", validate(*problem.args()))
+    assert problem.value.numel() * problem.value.element_size() > 60e6
+    answers = float64_answers(problem, dtype)
+    out = torch.ops.mmdeform_tma.ms_deform_attn_forward(*problem.args(), "tma_ws", -1)
+    check(out, answers[0], "default output")
+    check_backward_config(problem, answers, -1, "default", deterministic=False)
+    problem.requires_grad_()
+    out = mmdeform_tma.multi_scale_deformable_attn(*problem.args(), backend="tma_ws")
+    check(out, answers[0], "tuned output")
+    grads = torch.autograd.grad(out, (problem.value, problem.sampling_locations, problem.attention_weights), answers[1])
+    for i, (what, got, want) in enumerate(zip(("grad_value", "grad_locations", "grad_weights"), grads, answers[2])):
+        check(got, want, f"tuned {what}", answers[3][i] if i > 0 else None)
 
 
 @pytest.mark.parametrize("magnitude", [1e-30, 1.0, 1e30], ids=["1e-30", "1", "1e30"])

@@ -55,6 +55,23 @@ Config default_config(const ProblemTensors& problem, int team, bool backward, bo
   return c;
 }
 
+// The tile order (LaunchShape::heads_outer). With heads inner, the tiles in flight (about four CTAs
+// per SM) cover every head of the batches they are in: with sampling spread over the image, all of
+// those batches' value, and in the backward their value gradient too (fp32 or wider). Past 3/4 of
+// the L2 that working set thrashes it; heads outer keeps it to about one head's. On the fp32
+// forward over 89,023 keys with 90,000 uniformly sampled queries: 0.86 -> 0.63 ms, L2 hit rate
+// 53 -> 86 % (H100, 2026-11-25; perf_notes.md, session 26). Below the threshold heads inner stays:
+// with local sampling, heads outer was up to 4 % slower on the fp16 encoder backward.
+bool tile_order_heads_outer(const ProblemTensors& problem, int slots, bool backward) {
+  const int64_t element = problem.value.element_size();
+  const int64_t gradient = backward ? std::max<int64_t>(element, 4) : 0;
+  const int64_t bytes_per_batch = problem.num_keys * problem.heads * problem.channels * (element + gradient);
+  const int64_t tiles_per_batch = std::max<int64_t>(1, problem.heads * ((problem.queries + slots - 1) / slots));
+  const int64_t in_flight = 4LL * multiprocessor_count();
+  const int64_t batches = std::min<int64_t>(problem.batch, (in_flight + tiles_per_batch - 1) / tiles_per_batch);
+  return 4 * batches * bytes_per_batch > 3LL * current_device_attribute(cudaDevAttrL2CacheSize);
+}
+
 LaunchShape shape_for(const ProblemTensors& problem, const Config& config, int chunk_bytes, int meta_size,
                       int max_slots_per_team, int gather_entry_size, bool mma_kernel, int flush_element_bytes) {
   LaunchShape s{};
@@ -191,20 +208,22 @@ LaunchShape launch_shape(const ProblemTensors& problem, int64_t config, int chun
   if (config >= 0) {
     const int64_t count = static_cast<int64_t>(backward ? configs().size() : config_names().size());
     TORCH_CHECK(config < count, "mmdeform_tma tma_ws: config ", num(config), " out of range");
-    const LaunchShape s = shape_for(problem, configs()[config], chunk_bytes, meta_size, max_slots_per_team,
-                                    backward ? gather_entry_size : 0, backward && mma_kernel,
-                                    backward ? flush_element_bytes : 0);
+    LaunchShape s = shape_for(problem, configs()[config], chunk_bytes, meta_size, max_slots_per_team,
+                              backward ? gather_entry_size : 0, backward && mma_kernel, backward ? flush_element_bytes : 0);
     TORCH_CHECK(s.total_bytes <= limit, "mmdeform_tma tma_ws: config ", configs()[config].name, " needs ",
                 num(s.total_bytes), " bytes of shared memory for ", num(problem.points), " points per level; the GPU allows ",
                 num(limit));
+    s.heads_outer = tile_order_heads_outer(problem, s.slots, backward);
     return s;
   }
   // Shrink the default until it fits: fewer stages, then smaller windows, then smaller tiles.
   Config c = default_config(problem, row_bytes / chunk_bytes, backward, mma_kernel);
   for (;;) {
-    const LaunchShape s =
-        shape_for(problem, c, chunk_bytes, meta_size, max_slots_per_team, 0, mma_kernel, flush_element_bytes);
-    if (s.total_bytes <= limit) return s;
+    LaunchShape s = shape_for(problem, c, chunk_bytes, meta_size, max_slots_per_team, 0, mma_kernel, flush_element_bytes);
+    if (s.total_bytes <= limit) {
+      s.heads_outer = tile_order_heads_outer(problem, s.slots, backward);
+      return s;
+    }
     if (c.stages > 2) {
       --c.stages;
     } else if (c.window_kbytes > 4) {

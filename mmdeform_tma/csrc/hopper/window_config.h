@@ -110,6 +110,9 @@ struct LaunchShape {
   // fp32 MMA: the lo parts of the staged rows; 0 otherwise. Last, so that adding it moved no field
   // the older kernels read (their machine code stayed byte-identical: tools/kernel_code_diff.py).
   int g_lo_offset;
+  // Tile order (window_pipeline.cuh, tile_at): heads outer, where the value of every head at once
+  // would not stay in the L2 (tile_order_heads_outer).
+  bool heads_outer;
 };
 
 // The geometry `config` gives for this problem (-1: the default heuristic); throws with the reason

@@ -89,14 +89,19 @@ __device__ __forceinline__ int tile_count(const Problem<scalar_t>& p, int groups
   return p.num_items / (p.queries * p.heads) * groups * p.heads;
 }
 
-// Tiles are numbered ((batch * groups) + group) * heads + head: CTAs running side by side share
-// a region of value across heads.
+// Tiles are numbered ((batch * groups) + group) * heads + head (heads inner), or with
+// LaunchShape::heads_outer ((batch * heads) + head) * groups + group. Heads outer keeps the tiles in
+// flight on one head's value (and value gradient), a working set the L2 holds whatever the sampling
+// spread; heads inner spreads them over every head of a region of value.
 template <typename scalar_t>
 __device__ __forceinline__ Tile tile_at(const Problem<scalar_t>& p, const LaunchShape& s, int groups, int index) {
   Tile t{};
-  t.head = index % p.heads;
-  int group = (index / p.heads) % groups;
-  t.batch = index / p.heads / groups;
+  // One decode for both orders: selects, not branches, and the divisions of one order.
+  const int inner_count = s.heads_outer ? groups : p.heads, outer_count = s.heads_outer ? p.heads : groups;
+  const int rest = index / inner_count, inner = index - rest * inner_count, outer = rest % outer_count;
+  t.head = s.heads_outer ? outer : inner;
+  int group = s.heads_outer ? inner : outer;
+  t.batch = rest / outer_count;
   if (!s.pixel_tiles) {
     t.first = group * s.slots;
     return t;
