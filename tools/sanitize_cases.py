@@ -25,13 +25,17 @@ from mmdeform_tma._extension import kernel_configs  # noqa: E402
 ops = torch.ops.mmdeform_tma
 
 
+def num_keys(levels: list[tuple[int, int]]) -> int:
+    return sum(h * w for h, w in levels)
+
+
 def window_variants(dtype: torch.dtype) -> None:
     """tma_ws's windowed and MMA variants, called through the ops with their config index."""
-    encoder = [(9, 13), (5, 7), (3, 4)]  # 165 keys = queries
+    encoder = [(9, 13), (5, 7), (3, 4)]
     # One query per key sampled uniformly over a level larger than the MMA's 16 x 16 window: stages
-    # without a window (the paired-team reductions) beside windowed ones.
-    spread = [(24, 36), (12, 18)]  # 1080 keys = queries
-    cases = (("encoder", encoder, 165), ("local", encoder, 40), ("uniform", spread, 1080))
+    # without a window (every point direct) beside windowed ones.
+    spread = [(24, 36), (12, 18)]
+    cases = (("encoder", encoder, num_keys(encoder)), ("local", encoder, 40), ("uniform", spread, num_keys(spread)))
     for locality, levels, queries in cases:
         g = torch.Generator().manual_seed(1)
         problem = make_problem(levels, batch=2, queries=queries, heads=2, channels=32, points=4, dtype=dtype,

@@ -48,8 +48,8 @@ CASES = [
     ("encoder_c8_p8", [(20, 13), (10, 7)], 2, 330, 2, 8, 8, "encoder"),
 ]
 # One query per key, sampled uniformly: pixel-block tiles whose points spread over a level larger
-# than a 16 x 16 window, so the MMA backward has stages without a window (every point direct, the
-# paired-team reductions) beside windowed ones (the smaller levels).
+# than a 16 x 16 window, so the MMA backward has stages without a window (every point direct)
+# beside windowed ones (the smaller levels).
 ENCODER_UNIFORM = ("encoder_uniform", [(24, 36), (12, 18), (6, 9), (3, 5)], 2, 1149, 8, 32, 4, "uniform")
 
 
@@ -381,20 +381,25 @@ def test_tma_ws_mma_backward_non_finite_rows_and_large_weights(deterministic):
 def test_tma_ws_heads_outer_tile_order_against_float64(dtype):
     """A value of 61 MB (fp16) or 123 MB (fp32), past 3/4 of any Hopper L2: the tma_ws kernels walk
     their tiles heads outer (window_config.cpp, tile_order_heads_outer), forward and backward, with
-    the tuned configs and the default heuristic."""
+    the default heuristic and the tuned configs. On a 300 x 400 level, float32 sampling geometry
+    alone is about 1e-5 off: the bound is then twice that of a float64 computation on float32
+    geometry (the FA3 rule)."""
     problem = cuda_problem(("large_value", [(300, 400)], 1, 4096, 8, 32, 4, "uniform"), dtype, seed=41)
     skip_unless_supported("tma_ws", validate(*problem.args()))
     assert problem.value.numel() * problem.value.element_size() > 60e6
-    answers = float64_answers(problem, dtype)
-    out = torch.ops.mmdeform_tma.ms_deform_attn_forward(*problem.args(), "tma_ws", -1)
-    check(out, answers[0], "default output")
-    check_backward_config(problem, answers, -1, "default", deterministic=False)
+    exact, grad_output, exact_grads, geometry32 = float64_answers(problem, dtype)
+    value, shapes, starts, loc, attn = problem.args()
+    output32 = gather_reference(value.double(), shapes, starts, loc.double(), attn.double(), coord_dtype=torch.float32)
+    ops = torch.ops.mmdeform_tma
+    default = (ops.ms_deform_attn_forward(*problem.args(), "tma_ws", -1),
+               ops.ms_deform_attn_backward(grad_output, *problem.args(), "tma_ws", -1, False))
     problem.requires_grad_()
     out = mmdeform_tma.multi_scale_deformable_attn(*problem.args(), backend="tma_ws")
-    check(out, answers[0], "tuned output")
-    grads = torch.autograd.grad(out, (problem.value, problem.sampling_locations, problem.attention_weights), answers[1])
-    for i, (what, got, want) in enumerate(zip(("grad_value", "grad_locations", "grad_weights"), grads, answers[2])):
-        check(got, want, f"tuned {what}", answers[3][i] if i > 0 else None)
+    tuned = (out, torch.autograd.grad(out, (problem.value, problem.sampling_locations, problem.attention_weights), grad_output))
+    for label, (out, grads) in (("default", default), ("tuned", tuned)):
+        check(out, exact, f"{label} output", output32)
+        for what, got, want, same_dtype in zip(("grad_value", "grad_locations", "grad_weights"), grads, exact_grads, geometry32):
+            check(got, want, f"{label} {what}", same_dtype)
 
 
 @pytest.mark.parametrize("magnitude", [1e-30, 1.0, 1e30], ids=["1e-30", "1", "1e30"])

@@ -433,11 +433,6 @@ __device__ __forceinline__ uint2 split_row_pair(float a, float b, float scale) {
                     static_cast<uint32_t>(__half_as_ushort(la)) | (static_cast<uint32_t>(__half_as_ushort(lb)) << 16));
 }
 
-// Paired teams of four lanes (rows of 32 channels in the MMA kernels): a lane's partner is lane ^ 4,
-// the same lane of the neighbouring team.
-constexpr int kPairLanes = 4;
-__device__ __forceinline__ bool even_team_of_pair() { return (threadIdx.x & kPairLanes) == 0; }
-
 // The lane that holds its team's dots after mma_point_dots: t = 2 (g mod 2).
 __device__ __forceinline__ bool holds_mma_dots() {
   const int lane = threadIdx.x & 31;
@@ -666,10 +661,6 @@ __global__ void __launch_bounds__(kMaxThreads, kCtasPerSm)
   static_assert(!kMma || kChunkBytes == mma_chunk_bytes(sizeof(scalar_t)), "the MMA kernel's lanes hold 8 channels");
   static_assert(!kRows32 || kMma, "32-channel rows are an MMA kernel's");
   constexpr bool kMmaDots = kRows32 && sizeof(scalar_t) == 2;
-  // Rows of 32 channels in the MMA kernels (fp16/bf16 with kRows32, fp32 always): teams of four
-  // lanes, whose split halves are 64 bytes, half a line; their direct reductions pair up (below).
-  // Fast kernels only: the fixed-point ones spill with the pairing.
-  constexpr bool kPairedTeams = kMma && (kMmaDots || kHiLoRows) && std::is_same_v<Sink, AtomicSink<float>>;
   // The deterministic 32-channel MMA kernels flush window rows through the TMA (flush_fixed_point_row).
   constexpr bool kTmaFlush = kRows32 && !std::is_same_v<Sink, AtomicSink<float>>;
   extern __shared__ __align__(128) char dynamic_smem[];
@@ -737,229 +728,169 @@ __global__ void __launch_bounds__(kMaxThreads, kCtasPerSm)
     const SplitLane split{cl.lane * (VEC / 2), p.channels / 2 + cl.lane * (VEC / 2)};  // MMA only
     const int64_t head_column = static_cast<int64_t>(t.head) * p.channels;
     const int64_t row_stride = static_cast<int64_t>(w.width) * key_stride;
-    // The stage's points. kPairs (stages without a window, in the kernels with paired teams): every
-    // point is direct, and paired teams reduce whole lines (add_direct). A separate instantiation,
-    // so that the windowed stages' code stays as it was: with the pairing in it, the fp16 encoder
-    // backward with local sampling ran 7 % slower (perf_notes.md, session 26).
-    const auto stage_points = [&](auto pairs) {
-      constexpr bool kPairs = decltype(pairs)::value;
-      for (int j = 0; j < s.slots_per_team; ++j) {
-        const int slot = cl.team + j * cl.teams;
-        const int query = tile_query(t, s, slot, p.queries);
-        const int64_t row = (static_cast<int64_t>(t.batch) * p.queries + max(query, 0)) * p.heads + t.head;
-        const int64_t first_point = row * points + at.level * p.points;  // of this slot's level, in grad_weights
-        acc_t go[VEC];  // reloaded per level (an L1/L2 hit): registers stay free of the other queries
-        bool finite_row = false;  // MMA: the slot's row is finite, so its window points may join A
-        uint2 raw_lo{}, raw_hi{};  // MMA: the row's two split halves as loaded
-        uint4 go_chunk{};  // MMA dots: the lane's 16-byte chunk of the row (whole_chunk), once per slot and level
-        if constexpr (kMma) {
-          constexpr int kHalf = VEC / 2;
-          const scalar_t* go_row = grad_output + row * p.channels;
-          const Vec<scalar_t, kHalf> lo = load_vec<scalar_t, kHalf>(go_row + split.lo);
-          const Vec<scalar_t, kHalf> hi = load_vec<scalar_t, kHalf>(go_row + split.hi);
-          raw_lo = *reinterpret_cast<const uint2*>(&lo);
-          raw_hi = *reinterpret_cast<const uint2*>(&hi);
-          if constexpr (kMmaDots && !kPairs) go_chunk = whole_chunk(raw_lo, raw_hi);
-          acc_t half[kHalf];
-          to_acc(lo, half);
+    for (int j = 0; j < s.slots_per_team; ++j) {
+      const int slot = cl.team + j * cl.teams;
+      const int query = tile_query(t, s, slot, p.queries);
+      const int64_t row = (static_cast<int64_t>(t.batch) * p.queries + max(query, 0)) * p.heads + t.head;
+      const int64_t first_point = row * points + at.level * p.points;  // of this slot's level, in grad_weights
+      acc_t go[VEC];  // reloaded per level (an L1/L2 hit): registers stay free of the other queries
+      bool finite_row = false;  // MMA: the slot's row is finite, so its window points may join A
+      uint2 raw_lo{}, raw_hi{};  // MMA: the row's two split halves as loaded
+      uint4 go_chunk{};  // MMA dots: the lane's 16-byte chunk of the row (whole_chunk), once per slot and level
+      if constexpr (kMma) {
+        constexpr int kHalf = VEC / 2;
+        const scalar_t* go_row = grad_output + row * p.channels;
+        const Vec<scalar_t, kHalf> lo = load_vec<scalar_t, kHalf>(go_row + split.lo);
+        const Vec<scalar_t, kHalf> hi = load_vec<scalar_t, kHalf>(go_row + split.hi);
+        raw_lo = *reinterpret_cast<const uint2*>(&lo);
+        raw_hi = *reinterpret_cast<const uint2*>(&hi);
+        if constexpr (kMmaDots) go_chunk = whole_chunk(raw_lo, raw_hi);
+        acc_t half[kHalf];
+        to_acc(lo, half);
 #pragma unroll
-          for (int k = 0; k < kHalf; ++k) go[k] = half[k];
-          to_acc(hi, half);
+        for (int k = 0; k < kHalf; ++k) go[k] = half[k];
+        to_acc(hi, half);
 #pragma unroll
-          for (int k = 0; k < kHalf; ++k) go[kHalf + k] = half[k];
-          bool finite = query >= 0;
+        for (int k = 0; k < kHalf; ++k) go[kHalf + k] = half[k];
+        bool finite = query >= 0;
 #pragma unroll
-          for (int k = 0; k < VEC; ++k) finite = finite && isfinite(go[k]);
-          finite_row = warp_team_all(finite, s.team);
-          if (at.level == 0) {  // the B operand: the row as it is, or zeros (never a NaN in the product)
-            const uint32_t staged = smem_base + static_cast<uint32_t>(s.g_offset + slot * s.g_stride);
-            if constexpr (kHiLoRows) {  // hi parts at g_offset, lo parts at g_lo_offset
-              const uint32_t lo_rows = static_cast<uint32_t>(s.g_lo_offset - s.g_offset);
+        for (int k = 0; k < VEC; ++k) finite = finite && isfinite(go[k]);
+        finite_row = warp_team_all(finite, s.team);
+        if (at.level == 0) {  // the B operand: the row as it is, or zeros (never a NaN in the product)
+          const uint32_t staged = smem_base + static_cast<uint32_t>(s.g_offset + slot * s.g_stride);
+          if constexpr (kHiLoRows) {  // hi parts at g_offset, lo parts at g_lo_offset
+            const uint32_t lo_rows = static_cast<uint32_t>(s.g_lo_offset - s.g_offset);
 #pragma unroll
-              for (int i = 0; i < VEC; i += 2) {
-                const int channel = (i < kHalf ? split.lo : split.hi - kHalf) + i;
-                const uint2 pair = finite_row ? split_row_pair(go[i], go[i + 1], row_scale.scale) : make_uint2(0u, 0u);
-                st_shared_u32(staged + 2u * static_cast<uint32_t>(channel), pair.x);
-                st_shared_u32(staged + lo_rows + 2u * static_cast<uint32_t>(channel), pair.y);
-              }
-            } else {
-              st_shared_v2(staged + 2u * static_cast<uint32_t>(split.lo), finite_row ? raw_lo : make_uint2(0u, 0u));
-              st_shared_v2(staged + 2u * static_cast<uint32_t>(split.hi), finite_row ? raw_hi : make_uint2(0u, 0u));
-            }
-          }
-        } else {
-          to_acc(load_vec<scalar_t, VEC>(grad_output + row * p.channels + cl.lane * VEC), go);
-        }
-        if constexpr (kGather) {
-          static_assert(VEC == 4 && std::is_same_v<acc_t, float>, "the gather stages rows as float4 lanes");
-          if (at.level == 0) {
-            float* staged = gather_grad_rows(ring, parity) + slot * p.channels + cl.lane * VEC;
-            *reinterpret_cast<float4*>(staged) =
-                query >= 0 ? make_float4(go[0], go[1], go[2], go[3]) : make_float4(0.f, 0.f, 0.f, 0.f);
-          }
-        }
-        const WindowPoint<coord_t>* slot_meta = meta + slot * p.points;
-#pragma unroll 1
-        for (int point = 0; point < p.points; ++point) {
-          // A point that misses the level runs through too (its corners read zeros, its gradients
-          // are zero): the warp stays converged for the shuffles below.
-          const WindowPoint<coord_t> m = slot_meta[point];
-          PointCorners<kChunkBytes> corners;
-          if constexpr (kMma) {
-            if constexpr (!kMmaDots) {
-              corners = load_split_point<scalar_t, kChunkBytes>(m, split, p.value + head_column, key_stride, row_stride);
+            for (int i = 0; i < VEC; i += 2) {
+              const int channel = (i < kHalf ? split.lo : split.hi - kHalf) + i;
+              const uint2 pair = finite_row ? split_row_pair(go[i], go[i + 1], row_scale.scale) : make_uint2(0u, 0u);
+              st_shared_u32(staged + 2u * static_cast<uint32_t>(channel), pair.x);
+              st_shared_u32(staged + lo_rows + 2u * static_cast<uint32_t>(channel), pair.y);
             }
           } else {
-            corners = load_point<scalar_t, VEC>(m, s.load_window && w.rows > 0, window, s, cl, lane_value, key_stride,
-                                                row_stride);
-          }
-          // Window points whose contributions are summed per cell below (gather, MMA).
-          bool gathered = false;
-          if constexpr (kGather) gathered = w.rows > 0 && m.cell >= 0;
-          // MMA: lane c of the team adds corner c of a gathered point to A.
-          const auto add_weights = [&] {
-            if (gathered && cl.lane < 4) {
-              const int c = cl.lane;
-              // selected, not indexed: a run-time index would put the metadata on the stack
-              const coord_t weight = c == 0 ? m.weight[0] : c == 1 ? m.weight[1] : c == 2 ? m.weight[2] : m.weight[3];
-              add_mma_weight<scalar_t>(smem_base, s, slot, m.cell + (c & 1) + ((c & 2) ? s.window_cols : 0),
-                                       static_cast<float>(weight) * s.weight_scale);
-            }
-            __syncwarp();  // the next point's lanes see these weights
-          };
-          if constexpr (kMma) {
-            gathered = !kPairs && w.rows > 0 && m.cell >= 0 && finite_row && fabsf(m.attention) <= 1.0f;
-            if constexpr (!kMmaDots) add_weights();  // before the corners are converted: fewer live registers
-          }
-          // The direct path's contribution of corner c: one reduction per corner.
-          const auto add_direct = [&](int c) {
-            if constexpr (kPairs) {
-              // Each reduction covers whole lines: the pair's even-team lanes reduce lo halves and its
-              // odd-team lanes hi halves, of the even team's corner c, then of the odd team's. Every
-              // lane runs this (the shuffles: the partner's corner, its weight and the half of its row
-              // this lane reduces); the reductions are predicated. Shuffled per corner, not held
-              // across the point: fewer live registers.
-              constexpr int kHalf = VEC / 2;
-              const bool even = even_team_of_pair();
-              const bool own_on = (m.valid & (1u << c)) != 0u;
-              const bool partner_on = __shfl_xor_sync(0xffffffffu, static_cast<int>(own_on), kPairLanes) != 0;
-              const int key = m.key + (c & 1) + ((c & 2) ? w.width : 0);
-              const int partner_key = __shfl_xor_sync(0xffffffffu, key, kPairLanes);
-              const acc_t weight = static_cast<acc_t>(m.weight[c]);
-              const acc_t partner_weight = __shfl_xor_sync(0xffffffffu, weight, kPairLanes);
-              const int64_t column = head_column + (even ? split.lo : split.hi);
-              acc_t v[kHalf];  // this lane's half of the even team's contribution, then of the odd team's
-              if constexpr (kMmaDots) {
-                const uint2 give = even ? raw_hi : raw_lo;
-                const uint2 got = make_uint2(__shfl_xor_sync(0xffffffffu, give.x, kPairLanes),
-                                             __shfl_xor_sync(0xffffffffu, give.y, kPairLanes));
-                const uint2 first = even ? raw_lo : got;
-                chunk_to_acc<scalar_t, kHalf>(Chunk<8>{{first.x, first.y}}, v);
-#pragma unroll
-                for (int k = 0; k < kHalf; ++k) v[k] *= even ? weight : partner_weight;
-                if (even ? own_on : partner_on) sink.add(static_cast<int64_t>(even ? key : partner_key) * key_stride + column, v);
-                const uint2 second = even ? got : raw_hi;
-                chunk_to_acc<scalar_t, kHalf>(Chunk<8>{{second.x, second.y}}, v);
-              } else {
-                acc_t got[kHalf];
-#pragma unroll
-                for (int k = 0; k < kHalf; ++k) {
-                  got[k] = __shfl_xor_sync(0xffffffffu, even ? go[kHalf + k] : go[k], kPairLanes);
-                  v[k] = (even ? go[k] : got[k]) * (even ? weight : partner_weight);
-                }
-                if (even ? own_on : partner_on) sink.add(static_cast<int64_t>(even ? key : partner_key) * key_stride + column, v);
-#pragma unroll
-                for (int k = 0; k < kHalf; ++k) v[k] = even ? got[k] : go[kHalf + k];
-              }
-#pragma unroll
-              for (int k = 0; k < kHalf; ++k) v[k] *= even ? partner_weight : weight;
-              if (even ? partner_on : own_on) sink.add(static_cast<int64_t>(even ? partner_key : key) * key_stride + column, v);
-              return;
-            }
-            if (!(m.valid & (1u << c))) return;
-            if constexpr (kGather || kMma) {
-              if (gathered) return;
-            }
-            const acc_t weight = static_cast<acc_t>(m.weight[c]);
-            const int64_t key = static_cast<int64_t>(m.key) + (c & 1) + ((c & 2) ? w.width : 0);
-            if constexpr (kMma) {
-              constexpr int kHalf = VEC / 2;
-              acc_t lo[kHalf], hi[kHalf];
-              if constexpr (kMmaDots) {  // from the row's halves as loaded: go[] is not kept live for this rarer path
-                chunk_to_acc<scalar_t, kHalf>(Chunk<8>{{raw_lo.x, raw_lo.y}}, lo);
-                chunk_to_acc<scalar_t, kHalf>(Chunk<8>{{raw_hi.x, raw_hi.y}}, hi);
-              } else {
-#pragma unroll
-                for (int k = 0; k < kHalf; ++k) lo[k] = go[k], hi[k] = go[kHalf + k];
-              }
-#pragma unroll
-              for (int k = 0; k < kHalf; ++k) {
-                lo[k] *= weight;
-                hi[k] *= weight;
-              }
-              sink.add(key * key_stride + head_column + split.lo, lo);
-              sink.add(key * key_stride + head_column + split.hi, hi);
-            } else {
-              acc_t contribution[VEC];
-#pragma unroll
-              for (int k = 0; k < VEC; ++k) contribution[k] = weight * go[k];
-              sink.add(key * key_stride + head_offset, contribution);
-            }
-          };
-          acc_t dot[4];
-          bool whole_dots = false;  // dot[] holds whole dot products, not this lane's share of them
-          if constexpr (kMmaDots) {
-            const uint32_t meta_of_team0 = smem_address(meta) + static_cast<uint32_t>(sizeof(WindowPoint<coord_t>)) *
-                                           static_cast<uint32_t>((slot - (cl.team & 7)) * p.points + point);
-            const MmaDots d = mma_point_dots<scalar_t>(
-                meta_of_team0, static_cast<uint32_t>(sizeof(WindowPoint<coord_t>) * p.points),
-                p.value + head_column + 8 * cl.lane, key_stride, row_stride,
-                kPairs ? whole_chunk(raw_lo, raw_hi) : go_chunk);  // kPairs: per point, not live across them
-            add_weights();  // after the products: the chunks are dead by then
-#pragma unroll
-            for (int c = 0; c < 4; ++c) {
-              dot[c] = d.dot[c];
-              add_direct(c);
-            }
-            whole_dots = true;
-          }
-          if (!whole_dots) {
-            use_corners<scalar_t, VEC>(corners, [&](int c, const acc_t (&v)[VEC]) {
-              dot[c] = acc_t(0);
-#pragma unroll
-              for (int k = 0; k < VEC; ++k) dot[c] = fma(go[k], v[k], dot[c]);
-              add_direct(c);
-            });
-          }
-          const acc_t ly = m.ly, lx = m.lx, hy = acc_t(1) - ly, hx = acc_t(1) - lx;
-          acc_t grad_a = hy * hx * dot[kTopLeft] + hy * lx * dot[kTopRight] + ly * hx * dot[kBottomLeft] +
-                         ly * lx * dot[kBottomRight];
-          acc_t grad_x = hy * (dot[kTopRight] - dot[kTopLeft]) + ly * (dot[kBottomRight] - dot[kBottomLeft]);
-          acc_t grad_y = hx * (dot[kBottomLeft] - dot[kTopLeft]) + lx * (dot[kBottomRight] - dot[kTopRight]);
-          if (!whole_dots) {
-            grad_a = warp_team_sum(grad_a, s.team);
-            grad_x = warp_team_sum(grad_x, s.team);
-            grad_y = warp_team_sum(grad_y, s.team);
-          }
-          const bool store_lane = whole_dots ? holds_mma_dots() : cl.lane == 0;
-          if (query >= 0 && store_lane) {  // a point that misses the level has zero gradients, even for a NaN row
-            const bool sampled = m.valid != 0u;
-            grad_weights[first_point + point] = sampled ? grad_a : coord_t(0);
-            // (x, y) in one store: ncu (H100, 2026-11-24) had these scalar stores at 10 % of the L1's tag lookups
-            store_pair(grad_locations + 2 * (first_point + point), sampled ? m.attention * coord_t(w.width) * grad_x : coord_t(0),
-                       sampled ? m.attention * coord_t(w.height) * grad_y : coord_t(0));
+            st_shared_v2(staged + 2u * static_cast<uint32_t>(split.lo), finite_row ? raw_lo : make_uint2(0u, 0u));
+            st_shared_v2(staged + 2u * static_cast<uint32_t>(split.hi), finite_row ? raw_hi : make_uint2(0u, 0u));
           }
         }
-      }
-    };
-    if constexpr (kPairedTeams) {
-      if (w.rows == 0) {
-        stage_points(std::true_type{});
       } else {
-        stage_points(std::false_type{});
+        to_acc(load_vec<scalar_t, VEC>(grad_output + row * p.channels + cl.lane * VEC), go);
       }
-    } else {
-      stage_points(std::false_type{});
+      if constexpr (kGather) {
+        static_assert(VEC == 4 && std::is_same_v<acc_t, float>, "the gather stages rows as float4 lanes");
+        if (at.level == 0) {
+          float* staged = gather_grad_rows(ring, parity) + slot * p.channels + cl.lane * VEC;
+          *reinterpret_cast<float4*>(staged) =
+              query >= 0 ? make_float4(go[0], go[1], go[2], go[3]) : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+      }
+      const WindowPoint<coord_t>* slot_meta = meta + slot * p.points;
+#pragma unroll 1
+      for (int point = 0; point < p.points; ++point) {
+        // A point that misses the level runs through too (its corners read zeros, its gradients
+        // are zero): the warp stays converged for the shuffles below.
+        const WindowPoint<coord_t> m = slot_meta[point];
+        PointCorners<kChunkBytes> corners;
+        if constexpr (kMma) {
+          if constexpr (!kMmaDots) {
+            corners = load_split_point<scalar_t, kChunkBytes>(m, split, p.value + head_column, key_stride, row_stride);
+          }
+        } else {
+          corners = load_point<scalar_t, VEC>(m, s.load_window && w.rows > 0, window, s, cl, lane_value, key_stride,
+                                              row_stride);
+        }
+        // Window points whose contributions are summed per cell below (gather, MMA).
+        bool gathered = false;
+        if constexpr (kGather) gathered = w.rows > 0 && m.cell >= 0;
+        // MMA: lane c of the team adds corner c of a gathered point to A.
+        const auto add_weights = [&] {
+          if (gathered && cl.lane < 4) {
+            const int c = cl.lane;
+            // selected, not indexed: a run-time index would put the metadata on the stack
+            const coord_t weight = c == 0 ? m.weight[0] : c == 1 ? m.weight[1] : c == 2 ? m.weight[2] : m.weight[3];
+            add_mma_weight<scalar_t>(smem_base, s, slot, m.cell + (c & 1) + ((c & 2) ? s.window_cols : 0),
+                                     static_cast<float>(weight) * s.weight_scale);
+          }
+          __syncwarp();  // the next point's lanes see these weights
+        };
+        if constexpr (kMma) {
+          gathered = w.rows > 0 && m.cell >= 0 && finite_row && fabsf(m.attention) <= 1.0f;
+          if constexpr (!kMmaDots) add_weights();  // before the corners are converted: fewer live registers
+        }
+        // The direct path's contribution of corner c: one reduction per corner.
+        const auto add_direct = [&](int c) {
+          if (!(m.valid & (1u << c))) return;
+          if constexpr (kGather || kMma) {
+            if (gathered) return;
+          }
+          const acc_t weight = static_cast<acc_t>(m.weight[c]);
+          const int64_t key = static_cast<int64_t>(m.key) + (c & 1) + ((c & 2) ? w.width : 0);
+          if constexpr (kMma) {
+            constexpr int kHalf = VEC / 2;
+            acc_t lo[kHalf], hi[kHalf];
+            if constexpr (kMmaDots) {  // from the row's halves as loaded: go[] is not kept live for this rarer path
+              chunk_to_acc<scalar_t, kHalf>(Chunk<8>{{raw_lo.x, raw_lo.y}}, lo);
+              chunk_to_acc<scalar_t, kHalf>(Chunk<8>{{raw_hi.x, raw_hi.y}}, hi);
+            } else {
+#pragma unroll
+              for (int k = 0; k < kHalf; ++k) lo[k] = go[k], hi[k] = go[kHalf + k];
+            }
+#pragma unroll
+            for (int k = 0; k < kHalf; ++k) {
+              lo[k] *= weight;
+              hi[k] *= weight;
+            }
+            sink.add(key * key_stride + head_column + split.lo, lo);
+            sink.add(key * key_stride + head_column + split.hi, hi);
+          } else {
+            acc_t contribution[VEC];
+#pragma unroll
+            for (int k = 0; k < VEC; ++k) contribution[k] = weight * go[k];
+            sink.add(key * key_stride + head_offset, contribution);
+          }
+        };
+        acc_t dot[4];
+        bool whole_dots = false;  // dot[] holds whole dot products, not this lane's share of them
+        if constexpr (kMmaDots) {
+          const uint32_t meta_of_team0 = smem_address(meta) + static_cast<uint32_t>(sizeof(WindowPoint<coord_t>)) *
+                                         static_cast<uint32_t>((slot - (cl.team & 7)) * p.points + point);
+          const MmaDots d = mma_point_dots<scalar_t>(
+              meta_of_team0, static_cast<uint32_t>(sizeof(WindowPoint<coord_t>) * p.points),
+              p.value + head_column + 8 * cl.lane, key_stride, row_stride, go_chunk);
+          add_weights();  // after the products: the chunks are dead by then
+#pragma unroll
+          for (int c = 0; c < 4; ++c) {
+            dot[c] = d.dot[c];
+            add_direct(c);
+          }
+          whole_dots = true;
+        }
+        if (!whole_dots) {
+          use_corners<scalar_t, VEC>(corners, [&](int c, const acc_t (&v)[VEC]) {
+            dot[c] = acc_t(0);
+#pragma unroll
+            for (int k = 0; k < VEC; ++k) dot[c] = fma(go[k], v[k], dot[c]);
+            add_direct(c);
+          });
+        }
+        const acc_t ly = m.ly, lx = m.lx, hy = acc_t(1) - ly, hx = acc_t(1) - lx;
+        acc_t grad_a = hy * hx * dot[kTopLeft] + hy * lx * dot[kTopRight] + ly * hx * dot[kBottomLeft] +
+                       ly * lx * dot[kBottomRight];
+        acc_t grad_x = hy * (dot[kTopRight] - dot[kTopLeft]) + ly * (dot[kBottomRight] - dot[kBottomLeft]);
+        acc_t grad_y = hx * (dot[kBottomLeft] - dot[kTopLeft]) + lx * (dot[kBottomRight] - dot[kTopRight]);
+        if (!whole_dots) {
+          grad_a = warp_team_sum(grad_a, s.team);
+          grad_x = warp_team_sum(grad_x, s.team);
+          grad_y = warp_team_sum(grad_y, s.team);
+        }
+        const bool store_lane = whole_dots ? holds_mma_dots() : cl.lane == 0;
+        if (query >= 0 && store_lane) {  // a point that misses the level has zero gradients, even for a NaN row
+          const bool sampled = m.valid != 0u;
+          grad_weights[first_point + point] = sampled ? grad_a : coord_t(0);
+          // (x, y) in one store: ncu (H100, 2026-11-24) had these scalar stores at 10 % of the L1's tag lookups
+          store_pair(grad_locations + 2 * (first_point + point), sampled ? m.attention * coord_t(w.width) * grad_x : coord_t(0),
+                     sampled ? m.attention * coord_t(w.height) * grad_y : coord_t(0));
+        }
+      }
     }
     if constexpr (kMma) {
       if (w.rows > 0) {
