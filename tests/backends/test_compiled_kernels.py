@@ -381,9 +381,9 @@ def test_tma_ws_mma_backward_non_finite_rows_and_large_weights(deterministic):
 def test_tma_ws_heads_outer_tile_order_against_float64(dtype):
     """A value of 61 MB (fp16) or 123 MB (fp32), past 3/4 of any Hopper L2: the tma_ws kernels walk
     their tiles heads outer (window_config.cpp, tile_order_heads_outer), forward and backward, with
-    the default heuristic and the tuned configs. On a 300 x 400 level, float32 sampling geometry
-    alone is about 1e-5 off: the bound is then twice that of a float64 computation on float32
-    geometry (the FA3 rule)."""
+    the default heuristic and the tuned configs, and the deterministic backward (bitwise the same
+    twice). On a 300 x 400 level, float32 sampling geometry alone is about 1e-5 off: the bound is
+    then twice that of a float64 computation on float32 geometry (the FA3 rule)."""
     problem = cuda_problem(("large_value", [(300, 400)], 1, 4096, 8, 32, 4, "uniform"), dtype, seed=41)
     skip_unless_supported("tma_ws", validate(*problem.args()))
     assert problem.value.numel() * problem.value.element_size() > 60e6
@@ -393,10 +393,14 @@ def test_tma_ws_heads_outer_tile_order_against_float64(dtype):
     ops = torch.ops.mmdeform_tma
     default = (ops.ms_deform_attn_forward(*problem.args(), "tma_ws", -1),
                ops.ms_deform_attn_backward(grad_output, *problem.args(), "tma_ws", -1, False))
+    deterministic = ops.ms_deform_attn_backward(grad_output, *problem.args(), "tma_ws", -1, True)
+    again = ops.ms_deform_attn_backward(grad_output, *problem.args(), "tma_ws", -1, True)
+    assert all(torch.equal(a, b) for a, b in zip(deterministic, again))
     problem.requires_grad_()
     out = mmdeform_tma.multi_scale_deformable_attn(*problem.args(), backend="tma_ws")
     tuned = (out, torch.autograd.grad(out, (problem.value, problem.sampling_locations, problem.attention_weights), grad_output))
-    for label, (out, grads) in (("default", default), ("tuned", tuned)):
+    runs = (("default", default), ("tuned", tuned), ("deterministic", (default[0], deterministic)))
+    for label, (out, grads) in runs:
         check(out, exact, f"{label} output", output32)
         for what, got, want, same_dtype in zip(("grad_value", "grad_locations", "grad_weights"), grads, exact_grads, geometry32):
             check(got, want, f"{label} {what}", same_dtype)
