@@ -59,9 +59,9 @@ Config default_config(const ProblemTensors& problem, int team, bool backward, bo
 // per SM) cover every head of the batches they are in: with sampling spread over the image, all of
 // those batches' value, and in the backward their value gradient too (fp32 or wider). Past 3/4 of
 // the L2 that working set thrashes it; heads outer keeps it to about one head's. On the fp32
-// forward over 89,023 keys with 90,000 uniformly sampled queries: 0.86 -> 0.63 ms, L2 hit rate
-// 53 -> 86 % (H100, 2026-11-25; perf_notes.md, session 26). Below the threshold heads inner stays:
-// with local sampling, heads outer was up to 4 % slower on the fp16 encoder backward.
+// forward over 89,023 keys with 90,000 uniformly sampled queries: 0.877 ms at a0acf62, 0.616 at
+// 7014f84 (H100, sweep s18; perf_notes.md, item 53). Below the threshold heads inner stays: with
+// local sampling, forced heads outer was up to 4 % slower on an fp16 encoder backward.
 bool tile_order_heads_outer(const ProblemTensors& problem, int slots, bool backward) {
   const int64_t element = problem.value.element_size();
   const int64_t gradient = backward ? std::max<int64_t>(element, 4) : 0;
