@@ -19,6 +19,7 @@ from mmdeform_tma.backends import BACKENDS
 from mmdeform_tma.inputs import validate
 from msda_cases import (
     COMPILED_BACKENDS,
+    Problem,
     backend_skip_reason,
     gather_reference,
     make_problem,
@@ -348,6 +349,36 @@ def test_tma_ws_mma_backward_against_float64(case, dtype):
     for config, name in mma_configs():
         for deterministic in (False, True):
             check_backward_config(problem, answers, config, name, deterministic)
+
+
+def spread_encoder_problem(dtype, uniform_heads: str):
+    """An encoder (one query per pixel, 48 x 64 at the finest level, 32 channels) without points
+    pushed outside: every head sampled around its pixel ('none'), uniformly ('all'), or the even
+    heads uniformly and the odd ones around their pixel ('alternate')."""
+    shapes, batch, heads = [(48, 64), (24, 32), (12, 16), (6, 8)], 2, 8
+    keys = sum(h * w for h, w in shapes)
+    g = torch.Generator().manual_seed(29)
+    local = make_problem(shapes, batch, keys, heads, 32, 4, generator=g, locality="encoder", outside_fraction=0)
+    uniform = make_problem(shapes, batch, keys, heads, 32, 4, generator=g, locality="uniform", outside_fraction=0)
+    chosen = {"none": [], "all": list(range(heads)), "alternate": list(range(0, heads, 2))}[uniform_heads]
+    loc = local.sampling_locations.clone()
+    loc[:, :, chosen] = uniform.sampling_locations[:, :, chosen]
+    problem = Problem(local.value, local.spatial_shapes, local.level_start_index, loc, local.attention_weights)
+    return problem.to(device="cuda", dtype=dtype, coord_dtype=torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("uniform_heads", ["none", "all", "alternate"])
+def test_tma_ws_spread_fallback_against_float64(uniform_heads, dtype):
+    """The fast 32-channel MMA backward leaves each CTA whose first stage's points spread to a plain
+    kernel over the same tiles: with every CTA clustered (the MMA kernel alone), every CTA spread
+    (the plain kernel alone) and the two mixed in one call, against float64, for every MMA config
+    and the default. A tile done by both kernels or by neither would show in grad_value."""
+    problem = spread_encoder_problem(dtype, uniform_heads)
+    skip_unless_supported("tma_ws", validate(*problem.args()))
+    answers = float64_answers(problem, dtype)
+    for config, name in [(-1, "default"), *mma_configs()]:
+        check_backward_config(problem, answers, config, name, deterministic=False)
 
 
 @pytest.mark.parametrize("deterministic", [False, True], ids=["fast", "deterministic"])

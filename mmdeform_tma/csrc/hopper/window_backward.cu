@@ -34,6 +34,11 @@
 // atomics. fp32 rows run the same MMA on fp16 operands: A as for fp16, the output-gradient rows as
 // hi + lo parts of the rows times one power of two per tile (tile_largest_finite), three products
 // per step; their dots stay on the FMA units.
+//
+// Where sampling spreads over the image (no window pays), the fast 32-channel MMA kernels are
+// slower than the plain one: their teams of four reduce each direct corner as two half lines. A CTA
+// whose first stage spreads leaves its tiles to the plain kernel, launched after it on the same grid
+// and tiles (LaunchShape::spread_role); the other CTAs of that launch exit at once.
 #include <cstddef>
 
 #include "../common/grad_accumulation.cuh"
@@ -433,6 +438,29 @@ __device__ __forceinline__ uint2 split_row_pair(float a, float b, float scale) {
                     static_cast<uint32_t>(__half_as_ushort(la)) | (static_cast<uint32_t>(__half_as_ushort(lb)) << 16));
 }
 
+// Whether a stage's points spread over more than four accumulation windows (the bounding box of
+// their corners): sampling spread over the image, not clustered around the tile. The warp's lanes
+// all get the answer.
+template <typename coord_t>
+__device__ __forceinline__ bool stage_points_spread(const WindowPoint<coord_t>* meta, int n) {
+  int min_x = INT_MAX, min_y = INT_MAX, max_x = INT_MIN, max_y = INT_MIN;
+  for (int i = threadIdx.x & 31; i < n; i += 32) {
+    const WindowPoint<coord_t>& m = meta[i];
+    if (m.valid) {
+      min_x = min(min_x, m.x0);
+      max_x = max(max_x, m.x0 + 1);
+      min_y = min(min_y, m.y0);
+      max_y = max(max_y, m.y0 + 1);
+    }
+  }
+  min_x = __reduce_min_sync(0xffffffffu, min_x);
+  max_x = __reduce_max_sync(0xffffffffu, max_x);
+  min_y = __reduce_min_sync(0xffffffffu, min_y);
+  max_y = __reduce_max_sync(0xffffffffu, max_y);
+  return min_x <= max_x &&
+         static_cast<int64_t>(max_x - min_x + 1) * (max_y - min_y + 1) > 4 * kMmaWindowSide * kMmaWindowSide;
+}
+
 // The lane that holds its team's dots after mma_point_dots: t = 2 (g mod 2).
 __device__ __forceinline__ bool holds_mma_dots() {
   const int lane = threadIdx.x & 31;
@@ -663,9 +691,20 @@ __global__ void __launch_bounds__(kMaxThreads, kCtasPerSm)
   constexpr bool kMmaDots = kRows32 && sizeof(scalar_t) == 2;
   // The deterministic 32-channel MMA kernels flush window rows through the TMA (flush_fixed_point_row).
   constexpr bool kTmaFlush = kRows32 && !std::is_same_v<Sink, AtomicSink<float>>;
+  // The fast 32-channel MMA kernels can leave a CTA's tiles to the plain kernel where its sampling
+  // spreads (LaunchShape::spread_role). Their teams of four reduce a direct corner as two half lines,
+  // 40 % more L1 wavefronts than the plain kernel's whole lines: uniformly sampled encoders ran
+  // 10-16 % slower (perf_notes.md, item 54).
+  constexpr bool kSpreadBail = kMma && (kMmaDots || kHiLoRows) && std::is_same_v<Sink, AtomicSink<float>>;
   extern __shared__ __align__(128) char dynamic_smem[];
 
+  if constexpr (kAggregation == Aggregation::kDirect) {  // the spread fallback: only the CTAs the MMA kernel left
+    if (s.spread_role == SpreadRole::kRunFlaggedCtas && s.spread_flags[blockIdx.x] == 0) return;
+  }
   if (!level_geometry_ok(p.spatial_shapes, p.level_start, p.levels, p.num_keys)) {
+    if constexpr (kSpreadBail) {  // the fallback's CTAs read every flag
+      if (s.spread_role == SpreadRole::kBailWhereSpread && threadIdx.x == 0) s.spread_flags[blockIdx.x] = 0;
+    }
     poison_coordinate_gradients(p, grad_locations, grad_weights);  // value gradients stay zero
     return;
   }
@@ -681,6 +720,14 @@ __global__ void __launch_bounds__(kMaxThreads, kCtasPerSm)
     }
   }
   init_ring(ring, &value_map);
+  // kBailWhereSpread: the producer stops after the CTA's first stage if its points spread; the
+  // consumers read the same stage and agree.
+  const auto bail = [&](const StageCursor& at) {
+    if constexpr (!kSpreadBail) return false;
+    if (s.spread_role != SpreadRole::kBailWhereSpread || at.round != 0 || at.stage != 0) return false;
+    __syncwarp();  // every lane's metadata is written
+    return stage_points_spread(ring.meta(0), s.slots * p.points);
+  };
   if (threadIdx.x < 32) {
     if constexpr (kGather) {
       int* count = gather_counters(ring);
@@ -696,13 +743,28 @@ __global__ void __launch_bounds__(kMaxThreads, kCtasPerSm)
         if (level == 0) largest = tile_largest_finite(p, s, t, grad_output);
         if ((threadIdx.x & 31) == 0) *mma_tile_largest(ring, stage) = largest;
         level = level + 1 == p.levels ? 0 : level + 1;
-      });
+      }, bail);
+    } else if constexpr (kSpreadBail) {
+      run_producer(p, ring, &value_map, groups, num_tiles, NoStageWork{}, bail);
     } else {
       run_producer(p, ring, &value_map, groups, num_tiles);
     }
     return;
   }
 
+  if constexpr (kSpreadBail) {
+    if (s.spread_role == SpreadRole::kBailWhereSpread) {
+      // The CTA's first tile is one of the launch's first, at the finest level, where local sampling
+      // keeps a tile's points within a window or two. A CTA with no tile leaves none.
+      bool spread = false;
+      if (static_cast<int>(blockIdx.x) < num_tiles) {
+        mbarrier_wait(ring.full(0), 0u);
+        spread = stage_points_spread(ring.meta(0), s.slots * p.points);
+      }
+      if (threadIdx.x == 32) s.spread_flags[blockIdx.x] = spread ? 1 : 0;
+      if (spread) return;
+    }
+  }
   sink.prepare();
   const ConsumerLane cl = consumer_lane(s);
   const int64_t key_stride = static_cast<int64_t>(p.heads) * p.channels;
@@ -976,6 +1038,14 @@ Gradients backward(const ProblemTensors& problem, const at::Tensor& grad_output,
   if (!s.mma) {  // any other config or problem; an MMA config whose tile the MMA cannot take runs without a window
     s = launch_shape(problem, config, chunk_bytes, meta_size, kMaxBackwardSlotsPerTeam, true, entry_size);
   }
+  // The fast 32-channel MMA kernels hand the CTAs whose sampling spreads to a plain kernel over the
+  // same tiles (LaunchShape::spread_role), where the team layout gives that kernel the same tiles.
+  LaunchShape fallback{};
+  bool spread_fallback = s.mma && !deterministic && problem.channels == 32 && element <= 4;
+  if (spread_fallback) {
+    fallback = spread_fallback_shape(problem, s, chunk_bytes, meta_size);
+    spread_fallback = fallback.slots == s.slots && fallback.block_cols == s.block_cols;
+  }
   return run_backward(
       problem, grad_output, deterministic, grad_value_layout(problem, deterministic), "mmdeform_tma tma_ws backward",
       [&](auto sink, const auto* go, auto* grad_locations, auto* grad_weights) {
@@ -991,6 +1061,30 @@ Gradients backward(const ProblemTensors& problem, const at::Tensor& grad_output,
           flush_map = fixed_point_tensor_map(sink.grad, problem.batch * problem.num_keys, problem.heads * problem.channels, 8);
         }
         if constexpr (sizeof(scalar_t) <= 4) {
+          // An MMA kernel, followed by the spread fallback on the same grid where it applies.
+          const auto launch_mma = [&](auto kernel) {
+            if (!spread_fallback) {
+              launch_persistent<scalar_t>(kernel, problem, s, flush_map, go, sink, grad_locations, grad_weights);
+              return;
+            }
+            const int64_t blocks = persistent_blocks(kernel, problem, s);
+            const at::Tensor flags = at::empty({blocks}, problem.value.options().dtype(at::kInt));
+            LaunchShape first = s, second = fallback;
+            first.spread_role = SpreadRole::kBailWhereSpread;
+            second.spread_role = SpreadRole::kRunFlaggedCtas;
+            first.spread_flags = second.spread_flags = flags.data_ptr<int>();
+            launch_on_grid<scalar_t>(kernel, blocks, problem, first, flush_map, go, sink, grad_locations, grad_weights);
+            hopper::with_backward_chunk<scalar_t>(static_cast<int>(problem.channels), [&](auto chunk) {
+              constexpr int kChunk = decltype(chunk)::value;
+              if constexpr (four_ctas_built<scalar_t, kChunk, Sink>()) {
+                const auto plain = backward_kernel<scalar_t, kChunk, Sink, Aggregation::kDirect, 4>;
+                persistent_blocks(plain, problem, second);  // raises its shared-memory limit
+                launch_on_grid<scalar_t>(plain, blocks, problem, second, flush_map, go, sink, grad_locations, grad_weights);
+              } else {
+                TORCH_CHECK(false, "mmdeform_tma tma_ws: no plain kernel for the spread fallback");
+              }
+            });
+          };
           if (s.mma) {
             // Rows of 32 channels (fp32's only ones): in fp16/bf16 the dots on the tensor cores too;
             // deterministic, the TMA flush. fp32's fast kernel has neither, so it is built once.
@@ -1006,13 +1100,11 @@ Gradients backward(const ProblemTensors& problem, const at::Tensor& grad_output,
               // fixed point, and fp32's 32-byte lanes, spill at 96 registers
               if constexpr (kHalfRows && !kFixedPoint) {
                 if (s.ctas_per_sm == 4) {
-                  launch_persistent<scalar_t>(backward_kernel<scalar_t, kMmaChunkBytes, Sink, Aggregation::kMma, 4, kRows32>,
-                                              problem, s, flush_map, go, sink, grad_locations, grad_weights);
+                  launch_mma(backward_kernel<scalar_t, kMmaChunkBytes, Sink, Aggregation::kMma, 4, kRows32>);
                   return;
                 }
               }
-              launch_persistent<scalar_t>(backward_kernel<scalar_t, kMmaChunkBytes, Sink, Aggregation::kMma, kMinCtas, kRows32>,
-                                          problem, s, flush_map, go, sink, grad_locations, grad_weights);
+              launch_mma(backward_kernel<scalar_t, kMmaChunkBytes, Sink, Aggregation::kMma, kMinCtas, kRows32>);
             });
             return;
           }

@@ -240,6 +240,15 @@ LaunchShape launch_shape(const ProblemTensors& problem, int64_t config, int chun
   }
 }
 
+LaunchShape spread_fallback_shape(const ProblemTensors& problem, const LaunchShape& mma, int chunk_bytes, int meta_size) {
+  // No window (the sampling spreads), the MMA tile's slots, 4 CTAs per SM as c4_t16_s2_l1_o4, the
+  // table's plain config that ties `cuda` on uniformly sampled encoders (perf_notes.md, session 26).
+  const Config plain{"spread", mma.consumer_warps, mma.slots, 2, 0, false, 4, false};
+  LaunchShape s = shape_for(problem, plain, chunk_bytes, meta_size, kMaxBackwardSlotsPerTeam, 0, false, 0);
+  s.heads_outer = mma.heads_outer;
+  return s;
+}
+
 namespace {
 const KernelConfigRegistration kForward("tma_ws", "forward", config_names());
 const KernelConfigRegistration kBackward("tma_ws", "backward", backward_config_names());

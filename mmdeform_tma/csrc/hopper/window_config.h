@@ -51,6 +51,8 @@ const std::vector<Config>& configs();
 std::vector<std::string> config_names();
 std::vector<std::string> backward_config_names();  // all of configs()
 
+enum class SpreadRole : int { kNone = 0, kBailWhereSpread = 1, kRunFlaggedCtas = 2 };
+
 // What both roles need to agree on; computed on the host, passed by value.
 struct LaunchShape {
   int row_bytes;       // one cell: a head's channels of one key
@@ -113,6 +115,12 @@ struct LaunchShape {
   // Tile order (window_pipeline.cuh, tile_at): heads outer, where the value of every head at once
   // would not stay in the L2 (tile_order_heads_outer).
   bool heads_outer;
+  // Spread sampling (window_backward.cu, backward): the fast 32-channel MMA kernel runs with
+  // kBailWhereSpread, and a plain kernel with the same tiles and grid follows with kRunFlaggedCtas.
+  // Each MMA CTA whose first stage's points spread past the accumulation windows (uniform sampling)
+  // records that in spread_flags[CTA] and leaves its tiles to the plain kernel's CTA of that index.
+  SpreadRole spread_role;
+  int* spread_flags;
 };
 
 // The geometry `config` gives for this problem (-1: the default heuristic); throws with the reason
@@ -125,6 +133,12 @@ struct LaunchShape {
 LaunchShape launch_shape(const ProblemTensors& problem, int64_t config, int chunk_bytes, int meta_size,
                          int max_slots_per_team, bool backward, int gather_entry_size = 0, bool mma_kernel = false,
                          int flush_element_bytes = 0);
+
+// The plain (direct) backward's geometry over the same tiles as `mma` (an MMA launch shape): the
+// kernel that takes the tiles of MMA CTAs whose sampling spreads (LaunchShape::spread_role). Its
+// `slots` differ from mma's where the team layout cannot hold them; the caller then runs the MMA
+// kernel alone.
+LaunchShape spread_fallback_shape(const ProblemTensors& problem, const LaunchShape& mma, int chunk_bytes, int meta_size);
 
 // The MMA backward's accumulation window (cells a side) and its slot limit (four k-steps).
 constexpr int kMmaWindowSide = 16;

@@ -39,15 +39,21 @@ inline int blocks_per_multiprocessor(const void* kernel, const LaunchShape& s) {
   return blocks;
 }
 
-// Launches `kernel(map, problem, shape, args...)` on a persistent grid: as many CTAs as the SMs
-// hold, fewer for small problems (at most one per (batch, head, key): the tile count's bound).
-template <typename scalar_t, typename Kernel, typename... Args>
-void launch_persistent(Kernel kernel, const ProblemTensors& problem, const LaunchShape& s, Args... args) {
-  const int threads = 32 * (1 + s.consumer_warps);
+// The persistent grid of `kernel`: as many CTAs as the SMs hold, fewer for small problems (at most
+// one per (batch, head, key): the tile count's bound).
+template <typename Kernel>
+int64_t persistent_blocks(Kernel kernel, const ProblemTensors& problem, const LaunchShape& s) {
   const int64_t resident =
       static_cast<int64_t>(blocks_per_multiprocessor(reinterpret_cast<const void*>(kernel), s)) * multiprocessor_count();
   const int64_t bound = problem.batch * problem.heads * std::max<int64_t>(problem.queries, problem.num_keys);
-  const int64_t blocks = std::max<int64_t>(1, std::min(resident, bound));
+  return std::max<int64_t>(1, std::min(resident, bound));
+}
+
+// Launches `kernel(map, problem, shape, args...)` on `blocks` CTAs. persistent_blocks must have run for
+// the kernel and shape: it raises the kernel's shared-memory limit.
+template <typename scalar_t, typename Kernel, typename... Args>
+void launch_on_grid(Kernel kernel, int64_t blocks, const ProblemTensors& problem, const LaunchShape& s, Args... args) {
+  const int threads = 32 * (1 + s.consumer_warps);
   const at::Tensor source = problem.batch * problem.num_keys > 0
                                 ? problem.value
                                 : at::zeros({1, 1, problem.heads, problem.channels}, problem.value.options());
@@ -55,6 +61,12 @@ void launch_persistent(Kernel kernel, const ProblemTensors& problem, const Launc
   kernel<<<static_cast<unsigned>(blocks), threads, s.total_bytes, current_stream()>>>(map, problem.problem<scalar_t>(), s,
                                                                                        args...);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// Launches `kernel(map, problem, shape, args...)` on its persistent grid.
+template <typename scalar_t, typename Kernel, typename... Args>
+void launch_persistent(Kernel kernel, const ProblemTensors& problem, const LaunchShape& s, Args... args) {
+  launch_on_grid<scalar_t>(kernel, persistent_blocks(kernel, problem, s), problem, s, args...);
 }
 
 }  // namespace window
