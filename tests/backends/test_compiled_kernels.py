@@ -370,10 +370,11 @@ def spread_encoder_problem(dtype, uniform_heads: str):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("uniform_heads", ["none", "all", "alternate"])
 def test_tma_ws_spread_fallback_against_float64(uniform_heads, dtype):
-    """The fast 32-channel MMA backward leaves each CTA whose first stage's points spread to a plain
-    kernel over the same tiles: with every CTA clustered (the MMA kernel alone), every CTA spread
-    (the plain kernel alone) and the two mixed in one call, against float64, for every MMA config
-    and the default. A tile done by both kernels or by neither would show in grad_value."""
+    """The fast fp16/bf16 32-channel MMA backward leaves each CTA whose first stage's points spread
+    to a plain kernel over the same tiles: with every CTA clustered (the MMA kernel alone), every CTA
+    spread (the plain kernel alone) and the two mixed in one call, against float64, for every MMA
+    config and the default. A tile done by both kernels or by neither would show in grad_value.
+    fp32 runs its MMA kernel alone, windowless where the sampling spreads."""
     problem = spread_encoder_problem(dtype, uniform_heads)
     skip_unless_supported("tma_ws", validate(*problem.args()))
     answers = float64_answers(problem, dtype)

@@ -35,10 +35,10 @@
 // hi + lo parts of the rows times one power of two per tile (tile_largest_finite), three products
 // per step; their dots stay on the FMA units.
 //
-// Where sampling spreads over the image (no window pays), the fast 32-channel MMA kernels are
-// slower than the plain one: their teams of four reduce each direct corner as two half lines. A CTA
-// whose first stage spreads leaves its tiles to the plain kernel, launched after it on the same grid
-// and tiles (LaunchShape::spread_role); the other CTAs of that launch exit at once.
+// Where sampling spreads over the image (no window pays), the fast fp16/bf16 32-channel MMA kernels
+// are slower than the plain one: their teams of four reduce each direct corner as two half lines. A
+// CTA whose first stage spreads leaves its tiles to the plain kernel, launched after it on the same
+// grid and tiles (LaunchShape::spread_role); the plain kernel's other CTAs exit at once.
 #include <cstddef>
 
 #include "../common/grad_accumulation.cuh"
@@ -258,6 +258,13 @@ __device__ __forceinline__ RowScale row_scale_for(float largest) {
 template <typename coord_t>
 __device__ __forceinline__ float* mma_tile_largest(const Ring<coord_t>& ring, int stage) {
   return reinterpret_cast<float*>(ring.header(stage) + 1);
+}
+
+// The fast 32-channel MMA kernels' spread decision (LaunchShape::spread_role), in stage 0's header
+// after the words above: 0 until the consumers find the CTA's first stage spread and leave.
+template <typename coord_t>
+__device__ __forceinline__ volatile int* consumers_left(const Ring<coord_t>& ring) {
+  return reinterpret_cast<volatile int*>(ring.header(0) + 2);
 }
 
 #if MMDEFORM_TMA_HOPPER_DEVICE
@@ -691,14 +698,16 @@ __global__ void __launch_bounds__(kMaxThreads, kCtasPerSm)
   constexpr bool kMmaDots = kRows32 && sizeof(scalar_t) == 2;
   // The deterministic 32-channel MMA kernels flush window rows through the TMA (flush_fixed_point_row).
   constexpr bool kTmaFlush = kRows32 && !std::is_same_v<Sink, AtomicSink<float>>;
-  // The fast 32-channel MMA kernels can leave a CTA's tiles to the plain kernel where its sampling
-  // spreads (LaunchShape::spread_role). Their teams of four reduce a direct corner as two half lines,
-  // 40 % more L1 wavefronts than the plain kernel's whole lines: uniformly sampled encoders ran
-  // 10-16 % slower (perf_notes.md, item 54).
-  constexpr bool kSpreadBail = kMma && (kMmaDots || kHiLoRows) && std::is_same_v<Sink, AtomicSink<float>>;
+  // The fast fp16/bf16 32-channel MMA kernels leave a CTA's tiles to the plain kernel where its
+  // sampling spreads (LaunchShape::spread_role). Their teams of four reduce a direct corner as two
+  // half lines, 40 % more L1 wavefronts than the plain kernel's whole lines: uniformly sampled
+  // encoders ran 10-11 % slower than `cuda` (perf_notes.md, items 54 and 57). Not fp32: there the
+  // fallback cost the locally sampled encoders 2.5 %.
+  constexpr bool kSpreadBail = kMmaDots && std::is_same_v<Sink, AtomicSink<float>>;
   extern __shared__ __align__(128) char dynamic_smem[];
 
-  if constexpr (kAggregation == Aggregation::kDirect) {  // the spread fallback: only the CTAs the MMA kernel left
+  // The spread fallback (a 4-CTA plain kernel): only the CTAs the MMA kernel left.
+  if constexpr (kAggregation == Aggregation::kDirect && kCtasPerSm == 4) {
     if (s.spread_role == SpreadRole::kRunFlaggedCtas && s.spread_flags[blockIdx.x] == 0) return;
   }
   if (!level_geometry_ok(p.spatial_shapes, p.level_start, p.levels, p.num_keys)) {
@@ -719,15 +728,10 @@ __global__ void __launch_bounds__(kMaxThreads, kCtasPerSm)
       *reinterpret_cast<uint4*>(dynamic_smem + s.a_offset + i) = make_uint4(0u, 0u, 0u, 0u);
     }
   }
+  if constexpr (kSpreadBail) {  // init_ring's barrier orders this before any use
+    if (threadIdx.x == 0) *consumers_left(ring) = 0;
+  }
   init_ring(ring, &value_map);
-  // kBailWhereSpread: the producer stops after the CTA's first stage if its points spread; the
-  // consumers read the same stage and agree.
-  const auto bail = [&](const StageCursor& at) {
-    if constexpr (!kSpreadBail) return false;
-    if (s.spread_role != SpreadRole::kBailWhereSpread || at.round != 0 || at.stage != 0) return false;
-    __syncwarp();  // every lane's metadata is written
-    return stage_points_spread(ring.meta(0), s.slots * p.points);
-  };
   if (threadIdx.x < 32) {
     if constexpr (kGather) {
       int* count = gather_counters(ring);
@@ -743,9 +747,12 @@ __global__ void __launch_bounds__(kMaxThreads, kCtasPerSm)
         if (level == 0) largest = tile_largest_finite(p, s, t, grad_output);
         if ((threadIdx.x & 31) == 0) *mma_tile_largest(ring, stage) = largest;
         level = level + 1 == p.levels ? 0 : level + 1;
-      }, bail);
+      });
     } else if constexpr (kSpreadBail) {
-      run_producer(p, ring, &value_map, groups, num_tiles, NoStageWork{}, bail);
+      // It stops once the consumers have left (kBailWhereSpread); they release every stage first, so
+      // it never waits for them.
+      run_producer(p, ring, &value_map, groups, num_tiles, NoStageWork{},
+                   [&](const StageCursor&) { return *consumers_left(ring) != 0; });
     } else {
       run_producer(p, ring, &value_map, groups, num_tiles);
     }
@@ -762,7 +769,11 @@ __global__ void __launch_bounds__(kMaxThreads, kCtasPerSm)
         spread = stage_points_spread(ring.meta(0), s.slots * p.points);
       }
       if (threadIdx.x == 32) s.spread_flags[blockIdx.x] = spread ? 1 : 0;
-      if (spread) return;
+      if (spread) {
+        if (threadIdx.x == 32) *consumers_left(ring) = 1;  // before this thread's arrivals: they release it
+        for (int stage = 0; stage < s.stages; ++stage) mbarrier_arrive(ring.empty(stage));
+        return;
+      }
     }
   }
   sink.prepare();
@@ -1038,10 +1049,11 @@ Gradients backward(const ProblemTensors& problem, const at::Tensor& grad_output,
   if (!s.mma) {  // any other config or problem; an MMA config whose tile the MMA cannot take runs without a window
     s = launch_shape(problem, config, chunk_bytes, meta_size, kMaxBackwardSlotsPerTeam, true, entry_size);
   }
-  // The fast 32-channel MMA kernels hand the CTAs whose sampling spreads to a plain kernel over the
-  // same tiles (LaunchShape::spread_role), where the team layout gives that kernel the same tiles.
+  // The fast fp16/bf16 32-channel MMA kernels hand the CTAs whose sampling spreads to a plain kernel
+  // over the same tiles (LaunchShape::spread_role), where the team layout gives that kernel the same
+  // tiles.
   LaunchShape fallback{};
-  bool spread_fallback = s.mma && !deterministic && problem.channels == 32 && element <= 4;
+  bool spread_fallback = s.mma && !deterministic && problem.channels == 32 && element == 2;
   if (spread_fallback) {
     fallback = spread_fallback_shape(problem, s, chunk_bytes, meta_size);
     spread_fallback = fallback.slots == s.slots && fallback.block_cols == s.block_cols;
