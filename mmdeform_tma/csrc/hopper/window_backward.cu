@@ -749,10 +749,11 @@ __global__ void __launch_bounds__(kMaxThreads, kCtasPerSm)
         level = level + 1 == p.levels ? 0 : level + 1;
       });
     } else if constexpr (kSpreadBail) {
-      // It stops once the consumers have left (kBailWhereSpread); they release every stage first, so
-      // it never waits for them.
+      // It stops once the consumers have left (kBailWhereSpread): they set the word, then release
+      // every stage, so that it never waits for them. It reads the word only after a wait on a
+      // stage's release, which orders the consumers' write before the read.
       run_producer(p, ring, &value_map, groups, num_tiles, NoStageWork{},
-                   [&](const StageCursor&) { return *consumers_left(ring) != 0; });
+                   [&](const StageCursor& at) { return at.round > 0 && *consumers_left(ring) != 0; });
     } else {
       run_producer(p, ring, &value_map, groups, num_tiles);
     }
