@@ -260,8 +260,8 @@ __device__ __forceinline__ float* mma_tile_largest(const Ring<coord_t>& ring, in
   return reinterpret_cast<float*>(ring.header(stage) + 1);
 }
 
-// The fast 32-channel MMA kernels' spread decision (LaunchShape::spread_role), in stage 0's header
-// after the words above: 0 until the consumers find the CTA's first stage spread and leave.
+// The fast fp16/bf16 32-channel MMA kernels' spread decision (LaunchShape::spread_role), in stage
+// 0's header after the words above: 0 until the consumers find the CTA's first stage spread and leave.
 template <typename coord_t>
 __device__ __forceinline__ volatile int* consumers_left(const Ring<coord_t>& ring) {
   return reinterpret_cast<volatile int*>(ring.header(0) + 2);
