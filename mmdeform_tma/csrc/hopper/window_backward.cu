@@ -260,13 +260,6 @@ __device__ __forceinline__ float* mma_tile_largest(const Ring<coord_t>& ring, in
   return reinterpret_cast<float*>(ring.header(stage) + 1);
 }
 
-// The fast fp16/bf16 32-channel MMA kernels' spread decision (LaunchShape::spread_role), in stage
-// 0's header after the words above: 0 until the consumers find the CTA's first stage spread and leave.
-template <typename coord_t>
-__device__ __forceinline__ volatile int* consumers_left(const Ring<coord_t>& ring) {
-  return reinterpret_cast<volatile int*>(ring.header(0) + 2);
-}
-
 #if MMDEFORM_TMA_HOPPER_DEVICE
 
 // Adds `weight` (scaled by the caller, LaunchShape::weight_scale) to A[slot][cell], hi and lo. Only
@@ -445,19 +438,31 @@ __device__ __forceinline__ uint2 split_row_pair(float a, float b, float scale) {
                     static_cast<uint32_t>(__half_as_ushort(la)) | (static_cast<uint32_t>(__half_as_ushort(lb)) << 16));
 }
 
-// Whether a stage's points spread over more than four accumulation windows (the bounding box of
-// their corners): sampling spread over the image, not clustered around the tile. The warp's lanes
-// all get the answer.
-template <typename coord_t>
-__device__ __forceinline__ bool stage_points_spread(const WindowPoint<coord_t>* meta, int n) {
+// Whether the points of this CTA's first tile, at the finest level, spread over more than four
+// accumulation windows (the bounding box of their corners): sampling spread over the image, not
+// clustered around the tile. Every warp computes it from the same locations (L1 hits after the
+// first), so that no warp waits for another.
+template <typename scalar_t>
+__device__ __forceinline__ bool first_tile_spreads(const Problem<scalar_t>& p, const LaunchShape& s) {
+  using coord_t = coord_type<scalar_t>;
+  const int groups = tile_groups(p, s);
+  if (static_cast<int>(blockIdx.x) >= tile_count(p, groups)) return false;
+  const Tile t = tile_at(p, s, groups, blockIdx.x);
+  const LevelGeometry g = level_geometry(p.spatial_shapes, p.level_start, 0);
   int min_x = INT_MAX, min_y = INT_MAX, max_x = INT_MIN, max_y = INT_MIN;
+  const int n = s.slots * p.points;
   for (int i = threadIdx.x & 31; i < n; i += 32) {
-    const WindowPoint<coord_t>& m = meta[i];
-    if (m.valid) {
-      min_x = min(min_x, m.x0);
-      max_x = max(max_x, m.x0 + 1);
-      min_y = min(min_y, m.y0);
-      max_y = max(max_y, m.y0 + 1);
+    const int slot = i / p.points;
+    const int query = tile_query(t, s, slot, p.queries);
+    if (query < 0) continue;
+    const int64_t row = (static_cast<int64_t>(t.batch) * p.queries + query) * p.heads + t.head;
+    const int64_t at = row * p.levels * p.points + (i - slot * p.points);
+    const Bilinear<coord_t> bl = bilinear(p.locations[2 * at], p.locations[2 * at + 1], g.height, g.width);
+    if (bl.valid) {
+      min_x = min(min_x, bl.x0);
+      max_x = max(max_x, bl.x0 + 1);
+      min_y = min(min_y, bl.y0);
+      max_y = max(max_y, bl.y0 + 1);
     }
   }
   min_x = __reduce_min_sync(0xffffffffu, min_x);
@@ -698,22 +703,27 @@ __global__ void __launch_bounds__(kMaxThreads, kCtasPerSm)
   constexpr bool kMmaDots = kRows32 && sizeof(scalar_t) == 2;
   // The deterministic 32-channel MMA kernels flush window rows through the TMA (flush_fixed_point_row).
   constexpr bool kTmaFlush = kRows32 && !std::is_same_v<Sink, AtomicSink<float>>;
-  // The fast fp16/bf16 32-channel MMA kernels leave a CTA's tiles to the plain kernel where its
-  // sampling spreads (LaunchShape::spread_role). Their teams of four reduce a direct corner as two
-  // half lines, 40 % more L1 wavefronts than the plain kernel's whole lines: uniformly sampled
-  // encoders ran 10-11 % slower than `cuda` (perf_notes.md, items 54 and 57). Not fp32: there the
-  // fallback cost the locally sampled encoders 1.3-2.2 %.
-  constexpr bool kSpreadBail = kMmaDots && std::is_same_v<Sink, AtomicSink<float>>;
+  // The fast 32-channel MMA kernels leave a CTA's tiles to the plain kernel where its sampling
+  // spreads (LaunchShape::spread_role). fp16/bf16 teams of four reduce a direct corner as two half
+  // lines, 40 % more L1 wavefronts than the plain kernel's whole lines: uniformly sampled encoders
+  // ran 10-11 % slower than `cuda` (perf_notes.md, items 54, 57 and 58).
+  constexpr bool kSpreadLeaver =
+      kMma && std::is_same_v<Sink, AtomicSink<float>> && (kRows32 || sizeof(scalar_t) == 4);
+  constexpr bool kSpreadTaker = kAggregation == Aggregation::kDirect && kCtasPerSm == 4;
   extern __shared__ __align__(128) char dynamic_smem[];
 
-  // The spread fallback (a 4-CTA plain kernel): only the CTAs the MMA kernel left.
-  if constexpr (kAggregation == Aggregation::kDirect && kCtasPerSm == 4) {
-    if (s.spread_role == SpreadRole::kRunFlaggedCtas && s.spread_flags[blockIdx.x] == 0) return;
+  if constexpr (kSpreadLeaver) {  // the plain kernel ran before this one and took the flagged CTAs
+    if (s.spread_role == SpreadRole::kLeaveSpreadCtas && s.spread_flags[blockIdx.x] != 0) return;
   }
-  if (!level_geometry_ok(p.spatial_shapes, p.level_start, p.levels, p.num_keys)) {
-    if constexpr (kSpreadBail) {  // the fallback's CTAs read every flag
-      if (s.spread_role == SpreadRole::kBailWhereSpread && threadIdx.x == 0) s.spread_flags[blockIdx.x] = 0;
+  const bool geometry_ok = level_geometry_ok(p.spatial_shapes, p.level_start, p.levels, p.num_keys);
+  if constexpr (kSpreadTaker) {  // runs first: decides for both kernels, and takes the spread CTAs
+    if (s.spread_role == SpreadRole::kTakeSpreadCtas) {
+      const bool spread = geometry_ok && first_tile_spreads(p, s);  // the MMA kernel poisons bad geometry
+      if (threadIdx.x == 0) s.spread_flags[blockIdx.x] = spread ? 1 : 0;
+      if (!spread) return;
     }
+  }
+  if (!geometry_ok) {
     poison_coordinate_gradients(p, grad_locations, grad_weights);  // value gradients stay zero
     return;
   }
@@ -727,9 +737,6 @@ __global__ void __launch_bounds__(kMaxThreads, kCtasPerSm)
     for (int i = threadIdx.x * 16; i < 2 * s.a_bytes; i += blockDim.x * 16) {
       *reinterpret_cast<uint4*>(dynamic_smem + s.a_offset + i) = make_uint4(0u, 0u, 0u, 0u);
     }
-  }
-  if constexpr (kSpreadBail) {  // init_ring's barrier orders this before any use
-    if (threadIdx.x == 0) *consumers_left(ring) = 0;
   }
   init_ring(ring, &value_map);
   if (threadIdx.x < 32) {
@@ -748,35 +755,12 @@ __global__ void __launch_bounds__(kMaxThreads, kCtasPerSm)
         if ((threadIdx.x & 31) == 0) *mma_tile_largest(ring, stage) = largest;
         level = level + 1 == p.levels ? 0 : level + 1;
       });
-    } else if constexpr (kSpreadBail) {
-      // It stops once the consumers have left (kBailWhereSpread): they set the word, then release
-      // every stage, so that it never waits for them. It reads the word only after a wait on a
-      // stage's release, which orders the consumers' write before the read.
-      run_producer(p, ring, &value_map, groups, num_tiles, NoStageWork{},
-                   [&](const StageCursor& at) { return at.round > 0 && *consumers_left(ring) != 0; });
     } else {
       run_producer(p, ring, &value_map, groups, num_tiles);
     }
     return;
   }
 
-  if constexpr (kSpreadBail) {
-    if (s.spread_role == SpreadRole::kBailWhereSpread) {
-      // The CTA's first tile is one of the launch's first, at the finest level, where local sampling
-      // keeps a tile's points within a window or two. A CTA with no tile leaves none.
-      bool spread = false;
-      if (static_cast<int>(blockIdx.x) < num_tiles) {
-        mbarrier_wait(ring.full(0), 0u);
-        spread = stage_points_spread(ring.meta(0), s.slots * p.points);
-      }
-      if (threadIdx.x == 32) s.spread_flags[blockIdx.x] = spread ? 1 : 0;
-      if (spread) {
-        if (threadIdx.x == 32) *consumers_left(ring) = 1;  // before this thread's arrivals: they release it
-        for (int stage = 0; stage < s.stages; ++stage) mbarrier_arrive(ring.empty(stage));
-        return;
-      }
-    }
-  }
   sink.prepare();
   const ConsumerLane cl = consumer_lane(s);
   const int64_t key_stride = static_cast<int64_t>(p.heads) * p.channels;
@@ -1050,11 +1034,10 @@ Gradients backward(const ProblemTensors& problem, const at::Tensor& grad_output,
   if (!s.mma) {  // any other config or problem; an MMA config whose tile the MMA cannot take runs without a window
     s = launch_shape(problem, config, chunk_bytes, meta_size, kMaxBackwardSlotsPerTeam, true, entry_size);
   }
-  // The fast fp16/bf16 32-channel MMA kernels hand the CTAs whose sampling spreads to a plain kernel
-  // over the same tiles (LaunchShape::spread_role), where the team layout gives that kernel the same
-  // tiles.
+  // The fast 32-channel MMA kernels hand the CTAs whose sampling spreads to a plain kernel over the
+  // same tiles (LaunchShape::spread_role), where the team layout gives that kernel the same tiles.
   LaunchShape fallback{};
-  bool spread_fallback = s.mma && !deterministic && problem.channels == 32 && element == 2;
+  bool spread_fallback = s.mma && !deterministic && problem.channels == 32 && element <= 4;
   if (spread_fallback) {
     fallback = spread_fallback_shape(problem, s, chunk_bytes, meta_size);
     spread_fallback = fallback.slots == s.slots && fallback.block_cols == s.block_cols;
@@ -1074,7 +1057,8 @@ Gradients backward(const ProblemTensors& problem, const at::Tensor& grad_output,
           flush_map = fixed_point_tensor_map(sink.grad, problem.batch * problem.num_keys, problem.heads * problem.channels, 8);
         }
         if constexpr (sizeof(scalar_t) <= 4) {
-          // An MMA kernel, followed by the spread fallback on the same grid where it applies.
+          // An MMA kernel, after the spread fallback on the same grid where it applies: the plain
+          // kernel's CTAs flag and run the spread ones, the MMA kernel's run the others.
           const auto launch_mma = [&](auto kernel) {
             if (!spread_fallback) {
               launch_persistent<scalar_t>(kernel, problem, s, flush_map, go, sink, grad_locations, grad_weights);
@@ -1082,21 +1066,21 @@ Gradients backward(const ProblemTensors& problem, const at::Tensor& grad_output,
             }
             const int64_t blocks = persistent_blocks(kernel, problem, s);
             const at::Tensor flags = at::empty({blocks}, problem.value.options().dtype(at::kInt));
-            LaunchShape first = s, second = fallback;
-            first.spread_role = SpreadRole::kBailWhereSpread;
-            second.spread_role = SpreadRole::kRunFlaggedCtas;
-            first.spread_flags = second.spread_flags = flags.data_ptr<int>();
-            launch_on_grid<scalar_t>(kernel, blocks, problem, first, flush_map, go, sink, grad_locations, grad_weights);
+            LaunchShape taker = fallback, leaver = s;
+            taker.spread_role = SpreadRole::kTakeSpreadCtas;
+            leaver.spread_role = SpreadRole::kLeaveSpreadCtas;
+            taker.spread_flags = leaver.spread_flags = flags.data_ptr<int>();
             hopper::with_backward_chunk<scalar_t>(static_cast<int>(problem.channels), [&](auto chunk) {
               constexpr int kChunk = decltype(chunk)::value;
               if constexpr (four_ctas_built<scalar_t, kChunk, Sink>()) {
                 const auto plain = backward_kernel<scalar_t, kChunk, Sink, Aggregation::kDirect, 4>;
-                persistent_blocks(plain, problem, second);  // raises its shared-memory limit
-                launch_on_grid<scalar_t>(plain, blocks, problem, second, flush_map, go, sink, grad_locations, grad_weights);
+                persistent_blocks(plain, problem, taker);  // raises its shared-memory limit
+                launch_on_grid<scalar_t>(plain, blocks, problem, taker, flush_map, go, sink, grad_locations, grad_weights);
               } else {
                 TORCH_CHECK(false, "mmdeform_tma tma_ws: no plain kernel for the spread fallback");
               }
             });
+            launch_on_grid<scalar_t>(kernel, blocks, problem, leaver, flush_map, go, sink, grad_locations, grad_weights);
           };
           if (s.mma) {
             // Rows of 32 channels (fp32's only ones): in fp16/bf16 the dots on the tensor cores too;
