@@ -438,16 +438,15 @@ __device__ __forceinline__ uint2 split_row_pair(float a, float b, float scale) {
                     static_cast<uint32_t>(__half_as_ushort(la)) | (static_cast<uint32_t>(__half_as_ushort(lb)) << 16));
 }
 
-// Whether the points of this CTA's first tile, at the finest level, spread over more than four
-// accumulation windows (the bounding box of their corners): sampling spread over the image, not
-// clustered around the tile. Every warp computes it from the same locations (L1 hits after the
-// first), so that no warp waits for another.
+// Whether the points of MMA CTA `cta`'s first tile, at the finest level, spread over more than
+// four accumulation windows (the bounding box of their corners): sampling spread over the image,
+// not clustered around the tile. The warp's lanes all get the answer.
 template <typename scalar_t>
-__device__ __forceinline__ bool first_tile_spreads(const Problem<scalar_t>& p, const LaunchShape& s) {
+__device__ __forceinline__ bool first_tile_spreads(const Problem<scalar_t>& p, const LaunchShape& s, int cta) {
   using coord_t = coord_type<scalar_t>;
   const int groups = tile_groups(p, s);
-  if (static_cast<int>(blockIdx.x) >= tile_count(p, groups)) return false;
-  const Tile t = tile_at(p, s, groups, blockIdx.x);
+  if (cta >= tile_count(p, groups)) return false;
+  const Tile t = tile_at(p, s, groups, cta);
   const LevelGeometry g = level_geometry(p.spatial_shapes, p.level_start, 0);
   int min_x = INT_MAX, min_y = INT_MAX, max_x = INT_MIN, max_y = INT_MIN;
   const int n = s.slots * p.points;
@@ -709,21 +708,17 @@ __global__ void __launch_bounds__(kMaxThreads, kCtasPerSm)
   // ran 10-11 % slower than `cuda` (perf_notes.md, items 54, 57 and 58).
   constexpr bool kSpreadLeaver =
       kMma && std::is_same_v<Sink, AtomicSink<float>> && (kRows32 || sizeof(scalar_t) == 4);
-  constexpr bool kSpreadTaker = kAggregation == Aggregation::kDirect && kCtasPerSm == 4;
   extern __shared__ __align__(128) char dynamic_smem[];
 
-  if constexpr (kSpreadLeaver) {  // the plain kernel ran before this one and took the flagged CTAs
-    if (s.spread_role == SpreadRole::kLeaveSpreadCtas && s.spread_flags[blockIdx.x] != 0) return;
+  // The spread fallback: spread_probe_kernel flagged the CTAs; the plain kernel runs those, the MMA
+  // kernel the others.
+  if constexpr (kAggregation == Aggregation::kDirect && kCtasPerSm == 4) {
+    if (s.spread_role == SpreadRole::kRunFlaggedCtas && s.spread_flags[blockIdx.x] == 0) return;
   }
-  const bool geometry_ok = level_geometry_ok(p.spatial_shapes, p.level_start, p.levels, p.num_keys);
-  if constexpr (kSpreadTaker) {  // runs first: decides for both kernels, and takes the spread CTAs
-    if (s.spread_role == SpreadRole::kTakeSpreadCtas) {
-      const bool spread = geometry_ok && first_tile_spreads(p, s);  // the MMA kernel poisons bad geometry
-      if (threadIdx.x == 0) s.spread_flags[blockIdx.x] = spread ? 1 : 0;
-      if (!spread) return;
-    }
+  if constexpr (kSpreadLeaver) {
+    if (s.spread_role == SpreadRole::kSkipFlaggedCtas && s.spread_flags[blockIdx.x] != 0) return;
   }
-  if (!geometry_ok) {
+  if (!level_geometry_ok(p.spatial_shapes, p.level_start, p.levels, p.num_keys)) {
     poison_coordinate_gradients(p, grad_locations, grad_weights);  // value gradients stay zero
     return;
   }
@@ -1007,6 +1002,22 @@ __global__ void __launch_bounds__(kMaxThreads, kCtasPerSm)
 #endif
 }
 
+// Flags each MMA CTA whose first tile spreads (first_tile_spreads), one warp per CTA index; 0
+// everywhere when the level metadata is inconsistent (the MMA kernel then poisons the gradients).
+template <typename scalar_t>
+__global__ void __launch_bounds__(128) spread_probe_kernel(const __grid_constant__ Problem<scalar_t> p,
+                                                          const __grid_constant__ LaunchShape s, int ctas, int* flags) {
+#if MMDEFORM_TMA_HOPPER_DEVICE
+  const int cta = static_cast<int>(blockIdx.x) * 4 + static_cast<int>(threadIdx.x >> 5);
+  if (cta >= ctas) return;
+  const bool spread =
+      level_geometry_ok(p.spatial_shapes, p.level_start, p.levels, p.num_keys) && first_tile_spreads(p, s, cta);
+  if ((threadIdx.x & 31) == 0) flags[cta] = spread ? 1 : 0;
+#else
+  __trap();
+#endif
+}
+
 }  // namespace
 
 // Calls f(std::bool_constant<rows32>): the run-time choice of the kRows32 kernels as a constant.
@@ -1057,8 +1068,8 @@ Gradients backward(const ProblemTensors& problem, const at::Tensor& grad_output,
           flush_map = fixed_point_tensor_map(sink.grad, problem.batch * problem.num_keys, problem.heads * problem.channels, 8);
         }
         if constexpr (sizeof(scalar_t) <= 4) {
-          // An MMA kernel, after the spread fallback on the same grid where it applies: the plain
-          // kernel's CTAs flag and run the spread ones, the MMA kernel's run the others.
+          // An MMA kernel, after the spread fallback on the same grid where it applies: a probe flags
+          // the spread CTAs, the plain kernel runs them, the MMA kernel the others.
           const auto launch_mma = [&](auto kernel) {
             if (!spread_fallback) {
               launch_persistent<scalar_t>(kernel, problem, s, flush_map, go, sink, grad_locations, grad_weights);
@@ -1067,9 +1078,12 @@ Gradients backward(const ProblemTensors& problem, const at::Tensor& grad_output,
             const int64_t blocks = persistent_blocks(kernel, problem, s);
             const at::Tensor flags = at::empty({blocks}, problem.value.options().dtype(at::kInt));
             LaunchShape taker = fallback, leaver = s;
-            taker.spread_role = SpreadRole::kTakeSpreadCtas;
-            leaver.spread_role = SpreadRole::kLeaveSpreadCtas;
+            taker.spread_role = SpreadRole::kRunFlaggedCtas;
+            leaver.spread_role = SpreadRole::kSkipFlaggedCtas;
             taker.spread_flags = leaver.spread_flags = flags.data_ptr<int>();
+            spread_probe_kernel<scalar_t><<<static_cast<unsigned>((blocks + 3) / 4), 128, 0, current_stream()>>>(
+                problem.problem<scalar_t>(), s, static_cast<int>(blocks), flags.data_ptr<int>());
+            C10_CUDA_KERNEL_LAUNCH_CHECK();
             hopper::with_backward_chunk<scalar_t>(static_cast<int>(problem.channels), [&](auto chunk) {
               constexpr int kChunk = decltype(chunk)::value;
               if constexpr (four_ctas_built<scalar_t, kChunk, Sink>()) {
