@@ -370,7 +370,7 @@ def spread_encoder_problem(dtype, uniform_heads: str):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("uniform_heads", ["none", "all", "alternate"])
 def test_tma_ws_spread_fallback_against_float64(uniform_heads, dtype):
-    """The fast 32-channel MMA backward leaves each CTA whose first tile's points spread to a plain
+    """The fast 32-channel MMA backward leaves each CTA whose first stage's points spread to a plain
     kernel over the same tiles: with every CTA clustered (the MMA kernel alone), every CTA spread
     (the plain kernel alone) and the two mixed in one call, against float64, for every MMA config
     and the default. A tile done by both kernels or by neither would show in grad_value."""
@@ -383,8 +383,8 @@ def test_tma_ws_spread_fallback_against_float64(uniform_heads, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
 def test_tma_ws_spread_fallback_poisons_inconsistent_geometry(dtype):
-    """Where the GPU copy of spatial_shapes disagrees with value, the plain kernel takes no CTA and
-    the MMA kernel poisons the location and weight gradients, as every backward does."""
+    """Where the GPU copy of spatial_shapes disagrees with value, the MMA kernel poisons the location
+    and weight gradients, as every backward does, and leaves no CTA to the plain kernel."""
     problem = spread_encoder_problem(dtype, "all")
     skip_unless_supported("tma_ws", validate(*problem.args()))
     bad = problem.spatial_shapes.clone()

@@ -35,8 +35,8 @@
 // hi + lo parts of the rows times one power of two per tile (tile_largest_finite), three products
 // per step; their dots stay on the FMA units.
 //
-// Where sampling spreads over the image (no window pays), the fast fp16/bf16 32-channel MMA kernels
-// are slower than the plain one: their teams of four reduce each direct corner as two half lines. A
+// Where sampling spreads over the image (no window pays), the fast 32-channel MMA kernels are slower
+// than the plain one (fp16/bf16 teams of four reduce each direct corner as two half lines). A
 // CTA whose first stage spreads leaves its tiles to the plain kernel, launched after it on the same
 // grid and tiles (LaunchShape::spread_role); the plain kernel's other CTAs exit at once.
 #include <cstddef>
@@ -260,6 +260,13 @@ __device__ __forceinline__ float* mma_tile_largest(const Ring<coord_t>& ring, in
   return reinterpret_cast<float*>(ring.header(stage) + 1);
 }
 
+// The fast 32-channel MMA kernels' spread decision (LaunchShape::spread_role), in stage 0's header
+// after the words above: 0 until the consumers find the CTA's first stage spread and leave.
+template <typename coord_t>
+__device__ __forceinline__ volatile int* consumers_left(const Ring<coord_t>& ring) {
+  return reinterpret_cast<volatile int*>(ring.header(0) + 2);
+}
+
 #if MMDEFORM_TMA_HOPPER_DEVICE
 
 // Adds `weight` (scaled by the caller, LaunchShape::weight_scale) to A[slot][cell], hi and lo. Only
@@ -438,30 +445,19 @@ __device__ __forceinline__ uint2 split_row_pair(float a, float b, float scale) {
                     static_cast<uint32_t>(__half_as_ushort(la)) | (static_cast<uint32_t>(__half_as_ushort(lb)) << 16));
 }
 
-// Whether the points of MMA CTA `cta`'s first tile, at the finest level, spread over more than
-// four accumulation windows (the bounding box of their corners): sampling spread over the image,
-// not clustered around the tile. The warp's lanes all get the answer.
-template <typename scalar_t>
-__device__ __forceinline__ bool first_tile_spreads(const Problem<scalar_t>& p, const LaunchShape& s, int cta) {
-  using coord_t = coord_type<scalar_t>;
-  const int groups = tile_groups(p, s);
-  if (cta >= tile_count(p, groups)) return false;
-  const Tile t = tile_at(p, s, groups, cta);
-  const LevelGeometry g = level_geometry(p.spatial_shapes, p.level_start, 0);
+// Whether a stage's points spread over more than four accumulation windows (the bounding box of
+// their corners): sampling spread over the image, not clustered around the tile. The warp's lanes
+// all get the answer.
+template <typename coord_t>
+__device__ __forceinline__ bool stage_points_spread(const WindowPoint<coord_t>* meta, int n) {
   int min_x = INT_MAX, min_y = INT_MAX, max_x = INT_MIN, max_y = INT_MIN;
-  const int n = s.slots * p.points;
   for (int i = threadIdx.x & 31; i < n; i += 32) {
-    const int slot = i / p.points;
-    const int query = tile_query(t, s, slot, p.queries);
-    if (query < 0) continue;
-    const int64_t row = (static_cast<int64_t>(t.batch) * p.queries + query) * p.heads + t.head;
-    const int64_t at = row * p.levels * p.points + (i - slot * p.points);
-    const Bilinear<coord_t> bl = bilinear(p.locations[2 * at], p.locations[2 * at + 1], g.height, g.width);
-    if (bl.valid) {
-      min_x = min(min_x, bl.x0);
-      max_x = max(max_x, bl.x0 + 1);
-      min_y = min(min_y, bl.y0);
-      max_y = max(max_y, bl.y0 + 1);
+    const WindowPoint<coord_t>& m = meta[i];
+    if (m.valid) {
+      min_x = min(min_x, m.x0);
+      max_x = max(max_x, m.x0 + 1);
+      min_y = min(min_y, m.y0);
+      max_y = max(max_y, m.y0 + 1);
     }
   }
   min_x = __reduce_min_sync(0xffffffffu, min_x);
@@ -703,22 +699,21 @@ __global__ void __launch_bounds__(kMaxThreads, kCtasPerSm)
   // The deterministic 32-channel MMA kernels flush window rows through the TMA (flush_fixed_point_row).
   constexpr bool kTmaFlush = kRows32 && !std::is_same_v<Sink, AtomicSink<float>>;
   // The fast 32-channel MMA kernels leave a CTA's tiles to the plain kernel where its sampling
-  // spreads (LaunchShape::spread_role). fp16/bf16 teams of four reduce a direct corner as two half
-  // lines, 40 % more L1 wavefronts than the plain kernel's whole lines: uniformly sampled encoders
-  // ran 10-11 % slower than `cuda` (perf_notes.md, items 54, 57 and 58).
-  constexpr bool kSpreadLeaver =
-      kMma && std::is_same_v<Sink, AtomicSink<float>> && (kRows32 || sizeof(scalar_t) == 4);
+  // spreads (LaunchShape::spread_role). There the fp16/bf16 teams of four reduce a direct corner as
+  // two half lines, 40 % more L1 wavefronts than the plain kernel's whole lines, and the fp32 kernel
+  // stages hi/lo rows that no window uses: uniformly sampled encoders ran 7-11 % slower than on the
+  // plain kernel (perf_notes.md, items 54, 57 and 58).
+  constexpr bool kSpreadBail = kMma && (kMmaDots || kHiLoRows) && std::is_same_v<Sink, AtomicSink<float>>;
   extern __shared__ __align__(128) char dynamic_smem[];
 
-  // The spread fallback: spread_probe_kernel flagged the CTAs; the plain kernel runs those, the MMA
-  // kernel the others.
+  // The spread fallback (a 4-CTA plain kernel): only the CTAs the MMA kernel left.
   if constexpr (kAggregation == Aggregation::kDirect && kCtasPerSm == 4) {
     if (s.spread_role == SpreadRole::kRunFlaggedCtas && s.spread_flags[blockIdx.x] == 0) return;
   }
-  if constexpr (kSpreadLeaver) {
-    if (s.spread_role == SpreadRole::kSkipFlaggedCtas && s.spread_flags[blockIdx.x] != 0) return;
-  }
   if (!level_geometry_ok(p.spatial_shapes, p.level_start, p.levels, p.num_keys)) {
+    if constexpr (kSpreadBail) {  // the fallback's CTAs read every flag
+      if (s.spread_role == SpreadRole::kBailWhereSpread && threadIdx.x == 0) s.spread_flags[blockIdx.x] = 0;
+    }
     poison_coordinate_gradients(p, grad_locations, grad_weights);  // value gradients stay zero
     return;
   }
@@ -733,7 +728,20 @@ __global__ void __launch_bounds__(kMaxThreads, kCtasPerSm)
       *reinterpret_cast<uint4*>(dynamic_smem + s.a_offset + i) = make_uint4(0u, 0u, 0u, 0u);
     }
   }
+  if constexpr (kSpreadBail) {  // init_ring's barrier orders this before any use
+    if (threadIdx.x == 0) *consumers_left(ring) = 0;
+  }
   init_ring(ring, &value_map);
+  // kBailWhereSpread: the producer stops once the consumers have left: they set the word, then
+  // release every stage, so that it never waits for them. It reads the word only after a wait on a
+  // stage's release, which orders the consumers' write before the read.
+  const auto consumers_gone = [&](const StageCursor& at) {
+    if constexpr (kSpreadBail) {
+      return at.round > 0 && *consumers_left(ring) != 0;
+    } else {
+      return false;
+    }
+  };
   if (threadIdx.x < 32) {
     if constexpr (kGather) {
       int* count = gather_counters(ring);
@@ -749,13 +757,32 @@ __global__ void __launch_bounds__(kMaxThreads, kCtasPerSm)
         if (level == 0) largest = tile_largest_finite(p, s, t, grad_output);
         if ((threadIdx.x & 31) == 0) *mma_tile_largest(ring, stage) = largest;
         level = level + 1 == p.levels ? 0 : level + 1;
-      });
+      }, consumers_gone);
+    } else if constexpr (kSpreadBail) {
+      run_producer(p, ring, &value_map, groups, num_tiles, NoStageWork{}, consumers_gone);
     } else {
       run_producer(p, ring, &value_map, groups, num_tiles);
     }
     return;
   }
 
+  if constexpr (kSpreadBail) {
+    if (s.spread_role == SpreadRole::kBailWhereSpread) {
+      // The CTA's first tile is one of the launch's first, at the finest level, where local sampling
+      // keeps a tile's points within a window or two. A CTA with no tile leaves none.
+      bool spread = false;
+      if (static_cast<int>(blockIdx.x) < num_tiles) {
+        mbarrier_wait(ring.full(0), 0u);
+        spread = stage_points_spread(ring.meta(0), s.slots * p.points);
+      }
+      if (threadIdx.x == 32) s.spread_flags[blockIdx.x] = spread ? 1 : 0;
+      if (spread) {
+        if (threadIdx.x == 32) *consumers_left(ring) = 1;  // before this thread's arrivals: they release it
+        for (int stage = 0; stage < s.stages; ++stage) mbarrier_arrive(ring.empty(stage));
+        return;
+      }
+    }
+  }
   sink.prepare();
   const ConsumerLane cl = consumer_lane(s);
   const int64_t key_stride = static_cast<int64_t>(p.heads) * p.channels;
@@ -1002,22 +1029,6 @@ __global__ void __launch_bounds__(kMaxThreads, kCtasPerSm)
 #endif
 }
 
-// Flags each MMA CTA whose first tile spreads (first_tile_spreads), one warp per CTA index; 0
-// everywhere when the level metadata is inconsistent (the MMA kernel then poisons the gradients).
-template <typename scalar_t>
-__global__ void __launch_bounds__(128) spread_probe_kernel(const __grid_constant__ Problem<scalar_t> p,
-                                                          const __grid_constant__ LaunchShape s, int ctas, int* flags) {
-#if MMDEFORM_TMA_HOPPER_DEVICE
-  const int cta = static_cast<int>(blockIdx.x) * 4 + static_cast<int>(threadIdx.x >> 5);
-  if (cta >= ctas) return;
-  const bool spread =
-      level_geometry_ok(p.spatial_shapes, p.level_start, p.levels, p.num_keys) && first_tile_spreads(p, s, cta);
-  if ((threadIdx.x & 31) == 0) flags[cta] = spread ? 1 : 0;
-#else
-  __trap();
-#endif
-}
-
 }  // namespace
 
 // Calls f(std::bool_constant<rows32>): the run-time choice of the kRows32 kernels as a constant.
@@ -1068,8 +1079,7 @@ Gradients backward(const ProblemTensors& problem, const at::Tensor& grad_output,
           flush_map = fixed_point_tensor_map(sink.grad, problem.batch * problem.num_keys, problem.heads * problem.channels, 8);
         }
         if constexpr (sizeof(scalar_t) <= 4) {
-          // An MMA kernel, after the spread fallback on the same grid where it applies: a probe flags
-          // the spread CTAs, the plain kernel runs them, the MMA kernel the others.
+          // An MMA kernel, followed by the spread fallback on the same grid where it applies.
           const auto launch_mma = [&](auto kernel) {
             if (!spread_fallback) {
               launch_persistent<scalar_t>(kernel, problem, s, flush_map, go, sink, grad_locations, grad_weights);
@@ -1077,24 +1087,21 @@ Gradients backward(const ProblemTensors& problem, const at::Tensor& grad_output,
             }
             const int64_t blocks = persistent_blocks(kernel, problem, s);
             const at::Tensor flags = at::empty({blocks}, problem.value.options().dtype(at::kInt));
-            LaunchShape taker = fallback, leaver = s;
-            taker.spread_role = SpreadRole::kRunFlaggedCtas;
-            leaver.spread_role = SpreadRole::kSkipFlaggedCtas;
-            taker.spread_flags = leaver.spread_flags = flags.data_ptr<int>();
-            spread_probe_kernel<scalar_t><<<static_cast<unsigned>((blocks + 3) / 4), 128, 0, current_stream()>>>(
-                problem.problem<scalar_t>(), s, static_cast<int>(blocks), flags.data_ptr<int>());
-            C10_CUDA_KERNEL_LAUNCH_CHECK();
+            LaunchShape first = s, second = fallback;
+            first.spread_role = SpreadRole::kBailWhereSpread;
+            second.spread_role = SpreadRole::kRunFlaggedCtas;
+            first.spread_flags = second.spread_flags = flags.data_ptr<int>();
+            launch_on_grid<scalar_t>(kernel, blocks, problem, first, flush_map, go, sink, grad_locations, grad_weights);
             hopper::with_backward_chunk<scalar_t>(static_cast<int>(problem.channels), [&](auto chunk) {
               constexpr int kChunk = decltype(chunk)::value;
               if constexpr (four_ctas_built<scalar_t, kChunk, Sink>()) {
                 const auto plain = backward_kernel<scalar_t, kChunk, Sink, Aggregation::kDirect, 4>;
-                persistent_blocks(plain, problem, taker);  // raises its shared-memory limit
-                launch_on_grid<scalar_t>(plain, blocks, problem, taker, flush_map, go, sink, grad_locations, grad_weights);
+                persistent_blocks(plain, problem, second);  // raises its shared-memory limit
+                launch_on_grid<scalar_t>(plain, blocks, problem, second, flush_map, go, sink, grad_locations, grad_weights);
               } else {
                 TORCH_CHECK(false, "mmdeform_tma tma_ws: no plain kernel for the spread fallback");
               }
             });
-            launch_on_grid<scalar_t>(kernel, blocks, problem, leaver, flush_map, go, sink, grad_locations, grad_weights);
           };
           if (s.mma) {
             // Rows of 32 channels (fp32's only ones): in fp16/bf16 the dots on the tensor cores too;

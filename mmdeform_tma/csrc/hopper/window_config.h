@@ -51,7 +51,7 @@ const std::vector<Config>& configs();
 std::vector<std::string> config_names();
 std::vector<std::string> backward_config_names();  // all of configs()
 
-enum class SpreadRole : int { kNone = 0, kRunFlaggedCtas = 1, kSkipFlaggedCtas = 2 };
+enum class SpreadRole : int { kNone = 0, kBailWhereSpread = 1, kRunFlaggedCtas = 2 };
 
 // What both roles need to agree on; computed on the host, passed by value.
 struct LaunchShape {
@@ -115,10 +115,10 @@ struct LaunchShape {
   // Tile order (window_pipeline.cuh, tile_at): heads outer, where the value of every head at once
   // would not stay in the L2 (tile_order_heads_outer).
   bool heads_outer;
-  // Spread sampling (window_backward.cu, backward): a probe flags each CTA of the fast 32-channel
-  // MMA kernel whose first tile's points spread past the accumulation windows (uniform sampling) in
-  // spread_flags[CTA]. A plain kernel with the same tiles and grid runs the flagged CTAs
-  // (kRunFlaggedCtas), then the MMA kernel the others (kSkipFlaggedCtas).
+  // Spread sampling (window_backward.cu, backward): the fast 32-channel MMA kernel runs with
+  // kBailWhereSpread, and a plain kernel with the same tiles and grid follows with kRunFlaggedCtas.
+  // Each MMA CTA whose first stage's points spread past the accumulation windows (uniform sampling)
+  // records that in spread_flags[CTA] and leaves its tiles to the plain kernel's CTA of that index.
   SpreadRole spread_role;
   int* spread_flags;
 };

@@ -320,11 +320,16 @@ __device__ __forceinline__ void produce_stage(
   }
 }
 
-// The producer warp's whole life: every stage of every tile of this CTA.
-template <typename scalar_t, typename StageWork = NoStageWork>
+// Whether the producer stops after the stage at `at` (a kernel's hook): never, by default.
+struct NeverStop {
+  __device__ __forceinline__ bool operator()(const StageCursor&) const { return false; }
+};
+
+// The producer warp's whole life: every stage of every tile of this CTA, or until `stop`.
+template <typename scalar_t, typename StageWork = NoStageWork, typename Stop = NeverStop>
 __device__ __forceinline__ void run_producer(
     const Problem<scalar_t>& p, const Ring<coord_type<scalar_t>>& ring, const CUtensorMap* map, int groups,
-    int num_tiles, StageWork work = {}) {
+    int num_tiles, StageWork work = {}, Stop stop = {}) {
   const LaunchShape& s = *ring.s;
   StageCursor at{static_cast<int>(blockIdx.x), 0, 0, 0u};
   Tile t{};
@@ -332,6 +337,7 @@ __device__ __forceinline__ void run_producer(
     if (at.level == 0) t = tile_at(p, s, groups, at.tile);
     if (at.round > 0) mbarrier_wait(ring.empty(at.stage), (at.round - 1) & 1u);
     produce_stage(p, ring, map, t, at.level, at.stage, work);
+    if (stop(at)) return;
     at.advance(p.levels, s.stages);
   }
 }
