@@ -38,11 +38,9 @@ ops = torch.ops.mmdeform_tma
 DETERMINISTIC = tuning.DETERMINISTIC_BACKWARD
 # Inference-sized decoders (bs 1, 300 and 100 queries) too: there the kernels' start-up, not their
 # loop, sets the time, and the nearest training-sized entry answered them wrongly (sweep s07, s39).
-# And a bs 8 decoder: the bs 2 DINO decoder (the nearest by work) has `cuda` 2 % ahead in the
-# backward, where at bs 8 x 300 queries `tma_ws` is 8-13 % ahead (sweep s10, H100 and H200).
 STANDARD_PRESETS = [
     "detr_enc_bs2", "detr_enc_bs8", "detr_dec_bs2", "dino_dec_bs2", "detr_enc_bs6_p8", "dino5_enc_bs2",
-    "detr_dec_bs1", "detr_dec_bs1_q100", "detr_dec_bs8",
+    "detr_dec_bs1", "detr_dec_bs1_q100",
 ]
 
 
