@@ -706,8 +706,8 @@ __global__ void __launch_bounds__(kMaxThreads, kCtasPerSm)
   constexpr bool kSpreadBail = kMma && (kMmaDots || kHiLoRows) && std::is_same_v<Sink, AtomicSink<float>>;
   extern __shared__ __align__(128) char dynamic_smem[];
 
-  // The spread fallback (a 4-CTA plain kernel): only the CTAs the MMA kernel left.
-  if constexpr (kAggregation == Aggregation::kDirect && kCtasPerSm == 4) {
+  // The spread fallback (a fast plain kernel): only the CTAs the MMA kernel left.
+  if constexpr (kAggregation == Aggregation::kDirect && std::is_same_v<Sink, AtomicSink<float>>) {
     if (s.spread_role == SpreadRole::kRunFlaggedCtas && s.spread_flags[blockIdx.x] == 0) return;
   }
   if (!level_geometry_ok(p.spatial_shapes, p.level_start, p.levels, p.num_keys)) {
@@ -1080,7 +1080,7 @@ Gradients backward(const ProblemTensors& problem, const at::Tensor& grad_output,
         }
         if constexpr (sizeof(scalar_t) <= 4) {
           // An MMA kernel, followed by the spread fallback on the same grid where it applies.
-          const auto launch_mma = [&](auto kernel) {
+          const auto launch_mma = [&](auto kernel, int mma_ctas_per_sm) {
             if (!spread_fallback) {
               launch_persistent<scalar_t>(kernel, problem, s, flush_map, go, sink, grad_locations, grad_weights);
               return;
@@ -1092,15 +1092,23 @@ Gradients backward(const ProblemTensors& problem, const at::Tensor& grad_output,
             second.spread_role = SpreadRole::kRunFlaggedCtas;
             first.spread_flags = second.spread_flags = flags.data_ptr<int>();
             launch_on_grid<scalar_t>(kernel, blocks, problem, first, flush_map, go, sink, grad_locations, grad_weights);
+            // The plain kernel at the MMA kernel's CTAs per SM (its grid): with room for one more
+            // per SM, the block scheduler may leave SMs idle (fp32's 3-CTA grid, perf_notes.md
+            // item 58).
+            second.ctas_per_sm = mma_ctas_per_sm;
             hopper::with_backward_chunk<scalar_t>(static_cast<int>(problem.channels), [&](auto chunk) {
               constexpr int kChunk = decltype(chunk)::value;
-              if constexpr (four_ctas_built<scalar_t, kChunk, Sink>()) {
-                const auto plain = backward_kernel<scalar_t, kChunk, Sink, Aggregation::kDirect, 4>;
+              const auto launch_plain = [&](auto plain) {
                 persistent_blocks(plain, problem, second);  // raises its shared-memory limit
                 launch_on_grid<scalar_t>(plain, blocks, problem, second, flush_map, go, sink, grad_locations, grad_weights);
-              } else {
-                TORCH_CHECK(false, "mmdeform_tma tma_ws: no plain kernel for the spread fallback");
+              };
+              if constexpr (four_ctas_built<scalar_t, kChunk, Sink>()) {
+                if (mma_ctas_per_sm == 4) {
+                  launch_plain(backward_kernel<scalar_t, kChunk, Sink, Aggregation::kDirect, 4>);
+                  return;
+                }
               }
+              launch_plain(backward_kernel<scalar_t, kChunk, Sink, Aggregation::kDirect>);
             });
           };
           if (s.mma) {
@@ -1118,11 +1126,11 @@ Gradients backward(const ProblemTensors& problem, const at::Tensor& grad_output,
               // fixed point, and fp32's 32-byte lanes, spill at 96 registers
               if constexpr (kHalfRows && !kFixedPoint) {
                 if (s.ctas_per_sm == 4) {
-                  launch_mma(backward_kernel<scalar_t, kMmaChunkBytes, Sink, Aggregation::kMma, 4, kRows32>);
+                  launch_mma(backward_kernel<scalar_t, kMmaChunkBytes, Sink, Aggregation::kMma, 4, kRows32>, 4);
                   return;
                 }
               }
-              launch_mma(backward_kernel<scalar_t, kMmaChunkBytes, Sink, Aggregation::kMma, kMinCtas, kRows32>);
+              launch_mma(backward_kernel<scalar_t, kMmaChunkBytes, Sink, Aggregation::kMma, kMinCtas, kRows32>, kMinCtas);
             });
             return;
           }
