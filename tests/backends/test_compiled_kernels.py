@@ -370,10 +370,11 @@ def spread_encoder_problem(dtype, uniform_heads: str):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("uniform_heads", ["none", "all", "alternate"])
 def test_tma_ws_spread_fallback_against_float64(uniform_heads, dtype):
-    """The fast 32-channel MMA backward leaves each CTA whose first stage's points spread to a plain
-    kernel over the same tiles: with every CTA clustered (the MMA kernel alone), every CTA spread
-    (the plain kernel alone) and the two mixed in one call, against float64, for every MMA config
-    and the default. A tile done by both kernels or by neither would show in grad_value."""
+    """The fast fp16/bf16 32-channel MMA backward leaves each CTA whose first stage's points spread
+    to a plain kernel over the same tiles: with every CTA clustered (the MMA kernel alone), every CTA
+    spread (the plain kernel alone) and the two mixed in one call, against float64, for every MMA
+    config and the default. A tile done by both kernels or by neither would show in grad_value.
+    fp32 runs its MMA kernel alone, windowless where the sampling spreads."""
     problem = spread_encoder_problem(dtype, uniform_heads)
     skip_unless_supported("tma_ws", validate(*problem.args()))
     answers = float64_answers(problem, dtype)
@@ -384,7 +385,8 @@ def test_tma_ws_spread_fallback_against_float64(uniform_heads, dtype):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
 def test_tma_ws_spread_fallback_poisons_inconsistent_geometry(dtype):
     """Where the GPU copy of spatial_shapes disagrees with value, the MMA kernel poisons the location
-    and weight gradients, as every backward does, and leaves no CTA to the plain kernel."""
+    and weight gradients, as every backward does (and in fp16 leaves no CTA to the spread
+    fallback)."""
     problem = spread_encoder_problem(dtype, "all")
     skip_unless_supported("tma_ws", validate(*problem.args()))
     bad = problem.spatial_shapes.clone()

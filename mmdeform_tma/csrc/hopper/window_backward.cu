@@ -35,8 +35,8 @@
 // hi + lo parts of the rows times one power of two per tile (tile_largest_finite), three products
 // per step; their dots stay on the FMA units.
 //
-// Where sampling spreads over the image (no window pays), the fast 32-channel MMA kernels are slower
-// than the plain one (fp16/bf16 teams of four reduce each direct corner as two half lines). A
+// Where sampling spreads over the image (no window pays), the fast fp16/bf16 32-channel MMA kernels
+// are slower than the plain one: their teams of four reduce each direct corner as two half lines. A
 // CTA whose first stage spreads leaves its tiles to the plain kernel, launched after it on the same
 // grid and tiles (LaunchShape::spread_role); the plain kernel's other CTAs exit at once.
 #include <cstddef>
@@ -260,8 +260,8 @@ __device__ __forceinline__ float* mma_tile_largest(const Ring<coord_t>& ring, in
   return reinterpret_cast<float*>(ring.header(stage) + 1);
 }
 
-// The fast 32-channel MMA kernels' spread decision (LaunchShape::spread_role), in stage 0's header
-// after the words above: 0 until the consumers find the CTA's first stage spread and leave.
+// The fast fp16/bf16 32-channel MMA kernels' spread decision (LaunchShape::spread_role), in stage
+// 0's header after the words above: 0 until the consumers find the CTA's first stage spread and leave.
 template <typename coord_t>
 __device__ __forceinline__ volatile int* consumers_left(const Ring<coord_t>& ring) {
   return reinterpret_cast<volatile int*>(ring.header(0) + 2);
@@ -698,16 +698,16 @@ __global__ void __launch_bounds__(kMaxThreads, kCtasPerSm)
   constexpr bool kMmaDots = kRows32 && sizeof(scalar_t) == 2;
   // The deterministic 32-channel MMA kernels flush window rows through the TMA (flush_fixed_point_row).
   constexpr bool kTmaFlush = kRows32 && !std::is_same_v<Sink, AtomicSink<float>>;
-  // The fast 32-channel MMA kernels leave a CTA's tiles to the plain kernel where its sampling
-  // spreads (LaunchShape::spread_role). There the fp16/bf16 teams of four reduce a direct corner as
-  // two half lines, 40 % more L1 wavefronts than the plain kernel's whole lines, and the fp32 kernel
-  // stages hi/lo rows that no window uses: uniformly sampled encoders ran 7-11 % slower than on the
-  // plain kernel (perf_notes.md, items 54, 57 and 58).
-  constexpr bool kSpreadBail = kMma && (kMmaDots || kHiLoRows) && std::is_same_v<Sink, AtomicSink<float>>;
+  // The fast fp16/bf16 32-channel MMA kernels leave a CTA's tiles to the plain kernel where its
+  // sampling spreads (LaunchShape::spread_role). Their teams of four reduce a direct corner as two
+  // half lines, 40 % more L1 wavefronts than the plain kernel's whole lines: uniformly sampled
+  // encoders ran 10-11 % slower than `cuda` (perf_notes.md, items 54 and 57). Not fp32: there the
+  // fallback cost the locally sampled encoders 1.3-2.2 %.
+  constexpr bool kSpreadBail = kMmaDots && std::is_same_v<Sink, AtomicSink<float>>;
   extern __shared__ __align__(128) char dynamic_smem[];
 
-  // The spread fallback (a fast plain kernel): only the CTAs the MMA kernel left.
-  if constexpr (kAggregation == Aggregation::kDirect && std::is_same_v<Sink, AtomicSink<float>>) {
+  // The spread fallback (a 4-CTA plain kernel): only the CTAs the MMA kernel left.
+  if constexpr (kAggregation == Aggregation::kDirect && kCtasPerSm == 4) {
     if (s.spread_role == SpreadRole::kRunFlaggedCtas && s.spread_flags[blockIdx.x] == 0) return;
   }
   if (!level_geometry_ok(p.spatial_shapes, p.level_start, p.levels, p.num_keys)) {
@@ -732,16 +732,6 @@ __global__ void __launch_bounds__(kMaxThreads, kCtasPerSm)
     if (threadIdx.x == 0) *consumers_left(ring) = 0;
   }
   init_ring(ring, &value_map);
-  // kBailWhereSpread: the producer stops once the consumers have left: they set the word, then
-  // release every stage, so that it never waits for them. It reads the word only after a wait on a
-  // stage's release, which orders the consumers' write before the read.
-  const auto consumers_gone = [&](const StageCursor& at) {
-    if constexpr (kSpreadBail) {
-      return at.round > 0 && *consumers_left(ring) != 0;
-    } else {
-      return false;
-    }
-  };
   if (threadIdx.x < 32) {
     if constexpr (kGather) {
       int* count = gather_counters(ring);
@@ -757,9 +747,13 @@ __global__ void __launch_bounds__(kMaxThreads, kCtasPerSm)
         if (level == 0) largest = tile_largest_finite(p, s, t, grad_output);
         if ((threadIdx.x & 31) == 0) *mma_tile_largest(ring, stage) = largest;
         level = level + 1 == p.levels ? 0 : level + 1;
-      }, consumers_gone);
+      });
     } else if constexpr (kSpreadBail) {
-      run_producer(p, ring, &value_map, groups, num_tiles, NoStageWork{}, consumers_gone);
+      // It stops once the consumers have left (kBailWhereSpread): they set the word, then release
+      // every stage, so that it never waits for them. It reads the word only after a wait on a
+      // stage's release, which orders the consumers' write before the read.
+      run_producer(p, ring, &value_map, groups, num_tiles, NoStageWork{},
+                   [&](const StageCursor& at) { return at.round > 0 && *consumers_left(ring) != 0; });
     } else {
       run_producer(p, ring, &value_map, groups, num_tiles);
     }
@@ -1056,10 +1050,11 @@ Gradients backward(const ProblemTensors& problem, const at::Tensor& grad_output,
   if (!s.mma) {  // any other config or problem; an MMA config whose tile the MMA cannot take runs without a window
     s = launch_shape(problem, config, chunk_bytes, meta_size, kMaxBackwardSlotsPerTeam, true, entry_size);
   }
-  // The fast 32-channel MMA kernels hand the CTAs whose sampling spreads to a plain kernel over the
-  // same tiles (LaunchShape::spread_role), where the team layout gives that kernel the same tiles.
+  // The fast fp16/bf16 32-channel MMA kernels hand the CTAs whose sampling spreads to a plain kernel
+  // over the same tiles (LaunchShape::spread_role), where the team layout gives that kernel the same
+  // tiles.
   LaunchShape fallback{};
-  bool spread_fallback = s.mma && !deterministic && problem.channels == 32 && element <= 4;
+  bool spread_fallback = s.mma && !deterministic && problem.channels == 32 && element == 2;
   if (spread_fallback) {
     fallback = spread_fallback_shape(problem, s, chunk_bytes, meta_size);
     spread_fallback = fallback.slots == s.slots && fallback.block_cols == s.block_cols;
@@ -1080,7 +1075,7 @@ Gradients backward(const ProblemTensors& problem, const at::Tensor& grad_output,
         }
         if constexpr (sizeof(scalar_t) <= 4) {
           // An MMA kernel, followed by the spread fallback on the same grid where it applies.
-          const auto launch_mma = [&](auto kernel, int mma_ctas_per_sm) {
+          const auto launch_mma = [&](auto kernel) {
             if (!spread_fallback) {
               launch_persistent<scalar_t>(kernel, problem, s, flush_map, go, sink, grad_locations, grad_weights);
               return;
@@ -1092,23 +1087,15 @@ Gradients backward(const ProblemTensors& problem, const at::Tensor& grad_output,
             second.spread_role = SpreadRole::kRunFlaggedCtas;
             first.spread_flags = second.spread_flags = flags.data_ptr<int>();
             launch_on_grid<scalar_t>(kernel, blocks, problem, first, flush_map, go, sink, grad_locations, grad_weights);
-            // The plain kernel at the MMA kernel's CTAs per SM (its grid): with room for one more
-            // per SM, the block scheduler may leave SMs idle (fp32's 3-CTA grid, perf_notes.md
-            // item 58).
-            second.ctas_per_sm = mma_ctas_per_sm;
             hopper::with_backward_chunk<scalar_t>(static_cast<int>(problem.channels), [&](auto chunk) {
               constexpr int kChunk = decltype(chunk)::value;
-              const auto launch_plain = [&](auto plain) {
+              if constexpr (four_ctas_built<scalar_t, kChunk, Sink>()) {
+                const auto plain = backward_kernel<scalar_t, kChunk, Sink, Aggregation::kDirect, 4>;
                 persistent_blocks(plain, problem, second);  // raises its shared-memory limit
                 launch_on_grid<scalar_t>(plain, blocks, problem, second, flush_map, go, sink, grad_locations, grad_weights);
-              };
-              if constexpr (four_ctas_built<scalar_t, kChunk, Sink>()) {
-                if (mma_ctas_per_sm == 4) {
-                  launch_plain(backward_kernel<scalar_t, kChunk, Sink, Aggregation::kDirect, 4>);
-                  return;
-                }
+              } else {
+                TORCH_CHECK(false, "mmdeform_tma tma_ws: no plain kernel for the spread fallback");
               }
-              launch_plain(backward_kernel<scalar_t, kChunk, Sink, Aggregation::kDirect>);
             });
           };
           if (s.mma) {
@@ -1126,11 +1113,11 @@ Gradients backward(const ProblemTensors& problem, const at::Tensor& grad_output,
               // fixed point, and fp32's 32-byte lanes, spill at 96 registers
               if constexpr (kHalfRows && !kFixedPoint) {
                 if (s.ctas_per_sm == 4) {
-                  launch_mma(backward_kernel<scalar_t, kMmaChunkBytes, Sink, Aggregation::kMma, 4, kRows32>, 4);
+                  launch_mma(backward_kernel<scalar_t, kMmaChunkBytes, Sink, Aggregation::kMma, 4, kRows32>);
                   return;
                 }
               }
-              launch_mma(backward_kernel<scalar_t, kMmaChunkBytes, Sink, Aggregation::kMma, kMinCtas, kRows32>, kMinCtas);
+              launch_mma(backward_kernel<scalar_t, kMmaChunkBytes, Sink, Aggregation::kMma, kMinCtas, kRows32>);
             });
             return;
           }

@@ -241,10 +241,9 @@ LaunchShape launch_shape(const ProblemTensors& problem, int64_t config, int chun
 }
 
 LaunchShape spread_fallback_shape(const ProblemTensors& problem, const LaunchShape& mma, int chunk_bytes, int meta_size) {
-  // No window (the sampling spreads), the MMA tile's slots and 2 stages; at 4 CTAs per SM (the
-  // caller sets the MMA kernel's count) this is c4_t16_s2_l1_o4, the plain config that tied `cuda`
-  // on uniformly sampled encoders (perf_notes.md, session 26). With the MMA tile's 32 slots (two
-  // per team) it is 3-4 % slower than that (item 57).
+  // No window (the sampling spreads), the MMA tile's slots, 2 stages and 4 CTAs per SM as
+  // c4_t16_s2_l1_o4, the plain config that tied `cuda` on uniformly sampled encoders (perf_notes.md,
+  // session 26). With the MMA tile's 32 slots (two per team) it is 3-4 % slower than that (item 57).
   const Config plain{"spread", mma.consumer_warps, mma.slots, 2, 0, false, 4, false};
   LaunchShape s = shape_for(problem, plain, chunk_bytes, meta_size, kMaxBackwardSlotsPerTeam, 0, false, 0);
   s.heads_outer = mma.heads_outer;

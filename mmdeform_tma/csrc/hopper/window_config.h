@@ -115,7 +115,7 @@ struct LaunchShape {
   // Tile order (window_pipeline.cuh, tile_at): heads outer, where the value of every head at once
   // would not stay in the L2 (tile_order_heads_outer).
   bool heads_outer;
-  // Spread sampling (window_backward.cu, backward): the fast 32-channel MMA kernel runs with
+  // Spread sampling (window_backward.cu, backward): the fast fp16/bf16 32-channel MMA kernel runs with
   // kBailWhereSpread, and a plain kernel with the same tiles and grid follows with kRunFlaggedCtas.
   // Each MMA CTA whose first stage's points spread past the accumulation windows (uniform sampling)
   // records that in spread_flags[CTA] and leaves its tiles to the plain kernel's CTA of that index.
