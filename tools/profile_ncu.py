@@ -3,6 +3,7 @@
     python tools/profile_ncu.py --preset detr_enc_bs2 --dtype float16
     python tools/profile_ncu.py --backends tma_ws --backward-configs c4_t32_s2_w16 c4_t32_s2_w16_g
     python tools/profile_ncu.py --backends tma_ws --forward-configs c4_t64_s3_l1 c4_t32_s2_w16
+    python tools/profile_ncu.py --dtype float32 --backends tma_ws --locality uniform
 
 Runs ncu (--clock-control none: the card's clocks stay as they are) on one forward and one
 backward of every available compiled backend and of mmcv (or of the `--backends` named; `dcnv4`
@@ -10,7 +11,8 @@ is DCNv4's FlashDeformAttn, a benchmark dependency: tools/dcnv4_compare.py), and
 throughput, L2 and L1 hit rates, L2 throughput, achieved occupancy and the top warp stall reasons.
 `--backward-configs` (`--forward-configs`) profiles named kernel configs of one backend's backward
 (forward) instead (the names `tools/autotune.py` reports), each with its own launch, to set two
-variants side by side; `--forward-only` leaves the backwards out.
+variants side by side; `--forward-only` leaves the backwards out. `--locality uniform` samples uniformly over each level
+instead of around the reference points (benchmark_op.make_inputs), where no accumulation window pays.
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ def child(args) -> None:
     from benchmark_op import DTYPES, PRESETS, make_inputs
 
     device = torch.device("cuda")
-    value, shapes_t, starts, loc, attn = make_inputs(PRESETS[args.preset], DTYPES[args.dtype], "local", device, 0)
+    value, shapes_t, starts, loc, attn = make_inputs(PRESETS[args.preset], DTYPES[args.dtype], args.locality, device, 0)
     if args.backward_configs or args.forward_configs:
         named_configs(args, value, shapes_t, starts, loc, attn)
         return
@@ -109,6 +111,7 @@ def main(argv=None) -> int:
     p.add_argument("--backward-configs", nargs="*", default=None, help="named backward configs of one backend")
     p.add_argument("--forward-configs", nargs="*", default=None, help="named forward configs of one backend")
     p.add_argument("--forward-only", action="store_true", help="profile the forwards alone")
+    p.add_argument("--locality", choices=["local", "uniform"], default="local", help="sampling locations (make_inputs)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", type=Path, default=Path("bench_results/ncu.csv"))
     args = p.parse_args(argv)
@@ -130,7 +133,8 @@ def main(argv=None) -> int:
     command = [
         ncu, "--clock-control", "none", "--target-processes", "all", "--kernel-name", KERNELS,
         "--metrics", ",".join([*METRICS, *STALL_METRICS]), "--csv", "--page", "raw",
-        sys.executable, __file__, "--child", "--preset", args.preset, "--dtype", args.dtype, "--backends", *args.backends,
+        sys.executable, __file__, "--child", "--preset", args.preset, "--dtype", args.dtype, "--locality", args.locality,
+        "--backends", *args.backends,
         *(["--forward-only"] if args.forward_only else []),
         *(["--backward-configs", *args.backward_configs] if args.backward_configs else []),
         *(["--forward-configs", *args.forward_configs] if args.forward_configs else []),

@@ -523,6 +523,26 @@ def test_profile_ncu_forward_configs_need_exactly_one_backend_and_direction(caps
     assert "one direction per run" in capsys.readouterr().err
 
 
+def test_profile_ncu_passes_the_sampling_to_the_profiled_process(monkeypatch, capsys):
+    import profile_ncu
+
+    seen = {}
+
+    def fake_run(command, **kwargs):
+        seen["command"] = command
+        return subprocess.CompletedProcess(command, 1, stdout="", stderr="no GPU here")
+
+    monkeypatch.setattr(profile_ncu.shutil, "which", lambda name: "/opt/ncu/ncu")
+    monkeypatch.setattr(profile_ncu.subprocess, "run", fake_run)
+    assert profile_ncu.main(["--backends", "tma_ws", "--dtype", "float32", "--locality", "uniform"]) == 1
+    child = seen["command"][seen["command"].index("--child"):]
+    assert child[child.index("--locality") + 1] == "uniform"
+    assert child[child.index("--dtype") + 1] == "float32"
+    with pytest.raises(SystemExit):
+        profile_ncu.main(["--backends", "tma_ws", "--locality", "everywhere"])
+    assert "invalid choice" in capsys.readouterr().err
+
+
 def test_benchmark_e2e_rotates_image_sizes_and_counts_compiled_graphs(tmp_path):
     """Several sizes, as multi-scale training feeds them: every step takes the next size (the second
     one makes the compiled modules recompile, 8 graphs for one size: 4 modules x train and eval)."""
