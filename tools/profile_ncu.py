@@ -11,8 +11,9 @@ is DCNv4's FlashDeformAttn, a benchmark dependency: tools/dcnv4_compare.py), and
 throughput, L2 and L1 hit rates, L2 throughput, achieved occupancy and the top warp stall reasons.
 `--backward-configs` (`--forward-configs`) profiles named kernel configs of one backend's backward
 (forward) instead (the names `tools/autotune.py` reports), each with its own launch, to set two
-variants side by side; `--forward-only` leaves the backwards out. `--locality uniform` samples uniformly over each level
-instead of around the reference points (benchmark_op.make_inputs), where no accumulation window pays.
+variants side by side; `--forward-only` leaves the backwards out. `--locality uniform` samples
+uniformly over each level instead of around the reference points (benchmark_op.make_inputs), where
+no accumulation window pays.
 """
 
 from __future__ import annotations

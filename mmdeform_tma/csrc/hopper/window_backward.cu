@@ -701,8 +701,8 @@ __global__ void __launch_bounds__(kMaxThreads, kCtasPerSm)
   // The fast fp16/bf16 32-channel MMA kernels leave a CTA's tiles to the plain kernel where its
   // sampling spreads (LaunchShape::spread_role). Their teams of four reduce a direct corner as two
   // half lines, 40 % more L1 wavefronts than the plain kernel's whole lines: uniformly sampled
-  // encoders ran 10-11 % slower than `cuda` (perf_notes.md, items 54 and 57). Not fp32: there the
-  // fallback cost the locally sampled encoders 1.3-2.2 %.
+  // encoders ran 10-11 % slower than `cuda` (perf_notes.md, items 54 and 57). Not fp32: its uniformly
+  // sampled encoders were 7-8 % faster with the fallback on an H100 but 4-9 % slower on an H200 (item 59).
   constexpr bool kSpreadBail = kMmaDots && std::is_same_v<Sink, AtomicSink<float>>;
   extern __shared__ __align__(128) char dynamic_smem[];
 
