@@ -322,13 +322,123 @@ def test_every_tma_ws_config_against_float64(case, dtype):
     names = kernel_configs("tma_ws", "forward")
     assert len(names) >= 8
     for config, name in enumerate(names):
+        if reason := tensor_core_forward_reason(name, problem):
+            with pytest.raises(RuntimeError, match=reason):
+                torch.ops.mmdeform_tma.ms_deform_attn_forward(*problem.args(), "tma_ws", config)
+            continue
         out = torch.ops.mmdeform_tma.ms_deform_attn_forward(*problem.args(), "tma_ws", config)
         check(out, answers[0], f"{name} output")
     backward_names = kernel_configs("tma_ws", "backward")
-    assert backward_names[: len(names)] == names  # the backward-only configs come last
+    shared = [name for name in names if not name.startswith("tc_")]
+    assert names == shared + tensor_core_forward_configs()  # the forward-only configs come last
+    assert backward_names[: len(shared)] == shared  # the backward-only configs come last
     for config, name in enumerate(backward_names):
         for deterministic in (False, True) if name.endswith("_g") or "_m16" in name else (False,):
             check_backward_config(problem, answers, config, name, deterministic)
+
+
+def tensor_core_forward_configs() -> list[str]:
+    return [name for name in kernel_configs("tma_ws", "forward") if name.startswith("tc_")]
+
+
+def tensor_core_forward_reason(name: str, problem) -> str | None:
+    """The error a tensor-core gather forward config (`tc_*`) must raise for this problem, if any."""
+    if not name.startswith("tc_"):
+        return None
+    if problem.value.dtype not in (torch.float16, torch.bfloat16):
+        return "takes float16 or bfloat16 values"
+    if problem.value.shape[-1] != 32:
+        return "takes heads of 32 channels"
+    return None
+
+
+# Decoders and encoders of 32-channel heads: 16 points per item (two unrolled steps), 12 (padding
+# lanes in the second step), 14 (seven levels of two), 40 (more than the four unrolled steps: the
+# step loop), and uniform sampling with points outside every level.
+TENSOR_CORE_FORWARD_CASES = [
+    CASES[0],
+    CASES[1],
+    CASES[8],
+    ("p8_five_levels_c32", [(16, 16), (8, 8), (4, 4), (2, 2), (1, 1)], 2, 70, 4, 32, 8, "local"),
+    CASES[9],
+    ENCODER_UNIFORM,
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", TENSOR_CORE_FORWARD_CASES, ids=lambda c: c[0])
+def test_tma_ws_tensor_core_forward_against_float64(case, dtype):
+    """Every tensor-core gather forward config (`tc_*`) against float64 (FA3's rule: at most 1.5x
+    the output's own rounding error)."""
+    problem = cuda_problem(case, dtype, seed=37)
+    skip_unless_supported("tma_ws", validate(*problem.args()))
+    exact = gather_reference(*[t.double() if t.is_floating_point() else t for t in problem.args()])
+    names = kernel_configs("tma_ws", "forward")
+    assert len(tensor_core_forward_configs()) >= 2
+    for name in tensor_core_forward_configs():
+        out = torch.ops.mmdeform_tma.ms_deform_attn_forward(*problem.args(), "tma_ws", names.index(name))
+        check(out, exact, f"{name} output")
+
+
+@pytest.mark.parametrize("magnitude", [1e-3, 1.0, 3e5])
+def test_tma_ws_tensor_core_forward_weight_scale(magnitude):
+    """Attention weights far from softmax's range keep the fp16 accuracy rule: the kernel scales each
+    item's weights by a power of two before splitting them into fp16 hi and lo parts (unscaled,
+    fp16 would lose corner weights of 1e-3 / 16 to subnormals and turn 3e5 into Inf)."""
+    problem = cuda_problem(CASES[0], torch.float16, seed=41)
+    skip_unless_supported("tma_ws", validate(*problem.args()))
+    value = problem.value / 64 if magnitude > 1e4 else problem.value  # outputs stay finite in fp16
+    weights = problem.attention_weights * magnitude
+    args = (value, problem.spatial_shapes, problem.level_start_index, problem.sampling_locations, weights)
+    exact = gather_reference(*[t.double() if t.is_floating_point() else t for t in args])
+    assert torch.isfinite(exact.to(torch.float16)).all()
+    names = kernel_configs("tma_ws", "forward")
+    for name in tensor_core_forward_configs():
+        out = torch.ops.mmdeform_tma.ms_deform_attn_forward(*args, "tma_ws", names.index(name))
+        check(out, exact, f"{name} output at weights x {magnitude:g}")
+
+
+def test_tma_ws_tensor_core_forward_non_finite_inputs():
+    """NaN and +-Inf in value, in the weights and in the locations reach exactly the outputs the
+    reference's do through every tensor-core gather forward config (an Inf value is not turned into
+    NaN by a zero lo weight)."""
+    problem = cuda_problem(CASES[0], torch.float16, seed=43)
+    skip_unless_supported("tma_ws", validate(*problem.args()))
+    value = problem.value.clone()
+    value[0, 100, 3] = float("nan")
+    value[1, 300, 5] = float("inf")
+    value[1, 780, 2] = -float("inf")  # the coarsest level
+    weights = problem.attention_weights.clone()
+    weights[0, 7, 1, 0, 2] = float("nan")
+    weights[1, 9, 4, 2, 1] = float("inf")
+    loc = problem.sampling_locations.clone()
+    loc[0, 3, 0, 1, 0] = float("nan")
+    loc[1, 4, 2, 0, 3] = float("inf")
+    args = (value, problem.spatial_shapes, problem.level_start_index, loc, weights)
+    expected = gather_reference(*[t.double() if t.is_floating_point() else t for t in args])
+    finite = torch.isfinite(expected)
+    assert (~finite).any() and finite.any()
+    names = kernel_configs("tma_ws", "forward")
+    for name in tensor_core_forward_configs():
+        out = torch.ops.mmdeform_tma.ms_deform_attn_forward(*args, "tma_ws", names.index(name))
+        assert torch.equal(torch.isnan(out), torch.isnan(expected)), name
+        assert torch.equal(torch.isinf(out), torch.isinf(expected)), name
+        check(out[finite], expected[finite], f"{name} finite output")
+
+
+def test_tma_ws_tensor_core_forward_poisons_inconsistent_geometry():
+    """A GPU copy of level_start_index that disagrees with spatial_shapes: every output is NaN and
+    nothing outside value is read."""
+    problem = cuda_problem(CASES[0], torch.float16, seed=47)
+    skip_unless_supported("tma_ws", validate(*problem.args()))
+    starts = problem.level_start_index.clone()
+    starts[1] += 7
+    names = kernel_configs("tma_ws", "forward")
+    for name in tensor_core_forward_configs():
+        out = torch.ops.mmdeform_tma.ms_deform_attn_forward(
+            problem.value, problem.spatial_shapes, starts, problem.sampling_locations, problem.attention_weights,
+            "tma_ws", names.index(name))
+        assert torch.isnan(out).all(), name
 
 
 def mma_configs() -> list[tuple[int, str]]:

@@ -183,10 +183,30 @@ const std::vector<Config>& configs() {
   return all;
 }
 
+const std::vector<TensorCoreForwardConfig>& tensor_core_forward_configs() {
+  // Decoder-sized grids want few items per CTA (DETR decoder bs 2: 4,800 items); perf_notes.md,
+  // session 29.
+  static const std::vector<TensorCoreForwardConfig> all = {
+      {"tc_w8_i2", 8, 2}, {"tc_w8_i4", 8, 4}, {"tc_w4_i8", 4, 8}, {"tc_w4_i16", 4, 16}};
+  return all;
+}
+
+int64_t shared_config_count() {
+  static const int64_t count = [] {
+    int64_t n = 0;
+    while (n < static_cast<int64_t>(configs().size()) && !configs()[n].backward_only()) ++n;
+    for (int64_t i = n; i < static_cast<int64_t>(configs().size()); ++i) {
+      TORCH_CHECK(configs()[i].backward_only(), "mmdeform_tma tma_ws: the backward-only configs must come last");
+    }
+    return n;
+  }();
+  return count;
+}
+
 std::vector<std::string> config_names() {
   std::vector<std::string> names;
-  for (const auto& c : configs())
-    if (!c.backward_only()) names.push_back(c.name);
+  for (int64_t i = 0; i < shared_config_count(); ++i) names.push_back(configs()[i].name);
+  for (const auto& c : tensor_core_forward_configs()) names.push_back(c.name);
   return names;
 }
 
@@ -206,7 +226,7 @@ LaunchShape launch_shape(const ProblemTensors& problem, int64_t config, int chun
   const int row_bytes = static_cast<int>(problem.channels * problem.value.element_size());
   const int limit = current_device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin);
   if (config >= 0) {
-    const int64_t count = static_cast<int64_t>(backward ? configs().size() : config_names().size());
+    const int64_t count = backward ? static_cast<int64_t>(configs().size()) : shared_config_count();
     TORCH_CHECK(config < count, "mmdeform_tma tma_ws: config ", num(config), " out of range");
     LaunchShape s = shape_for(problem, configs()[config], chunk_bytes, meta_size, max_slots_per_team,
                               backward ? gather_entry_size : 0, backward && mma_kernel, backward ? flush_element_bytes : 0);

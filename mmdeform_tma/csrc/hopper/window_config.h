@@ -46,10 +46,24 @@ struct Config {
 };
 
 const std::vector<Config>& configs();
-// The forward's configs: every config but the backward-only ones, which come last, so that an
-// index means the same config in both directions.
+
+// Forward only: the tensor-core gather forward (tensor_core_forward.cu), which has no tiles,
+// window or pipeline: one warp per (batch, query, head) item, `warps` per CTA, each taking
+// `items_per_warp` items.
+struct TensorCoreForwardConfig {
+  std::string name;
+  int warps;
+  int items_per_warp;
+};
+const std::vector<TensorCoreForwardConfig>& tensor_core_forward_configs();
+
+// configs() entries that both directions run: the forward's index i < shared_config_count() is
+// configs()[i], as the backward's.
+int64_t shared_config_count();
+// The forward's configs: the shared ones, then the tensor-core gather ones (forward index
+// shared_config_count() + i is tensor_core_forward_configs()[i]).
 std::vector<std::string> config_names();
-std::vector<std::string> backward_config_names();  // all of configs()
+std::vector<std::string> backward_config_names();  // all of configs(): the shared ones, then the backward-only ones
 
 enum class SpreadRole : int { kNone = 0, kBailWhereSpread = 1, kRunFlaggedCtas = 2 };
 

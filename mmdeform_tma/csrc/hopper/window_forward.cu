@@ -4,6 +4,7 @@
 // `_l1` configs, which leaves out the window's registers and work (below).
 #include "../common/dtype_dispatch.cuh"
 #include "../common/launchers.h"
+#include "tensor_core_forward.h"
 #include "window_launch.cuh"
 #include "window_pipeline.cuh"
 
@@ -360,6 +361,12 @@ at::Tensor forward(const ProblemTensors& problem, int64_t config) {
   at::Tensor output = uninitialized({problem.batch, problem.queries, problem.heads * problem.channels}, problem.value.options());
   if (problem.empty_output()) return output;
   if (problem.levels * problem.points == 0) return output.zero_();
+  const int64_t tensor_core_index = config - hopper::window::shared_config_count();
+  if (tensor_core_index >= 0 &&
+      tensor_core_index < static_cast<int64_t>(hopper::window::tensor_core_forward_configs().size())) {
+    tensor_core_forward(problem, hopper::window::tensor_core_forward_configs()[tensor_core_index], output);
+    return output;
+  }
   hopper::require_hopper("tma_ws");
   hopper::require_tma_channels(problem.value, "tma_ws");
   MMDEFORM_TMA_DISPATCH_VALUE_TYPES(problem.value.scalar_type(), "mmdeform_tma tma_ws forward", [&] {
