@@ -6,7 +6,7 @@
 
 Covers every dtype, the fast and the deterministic backward, partial tiles and points outside the
 levels, and for tma_ws every compiled variant with windows (TMA windows, and the MMA backward's
-accumulation windows) on encoder problems (one query per pixel: pixel-block tiles; sampled
+accumulation windows, and the tensor-core gather forward) on encoder problems (one query per pixel: pixel-block tiles; sampled
 locally, and uniformly over a level larger than four windows) and a decoder one. Prints one line
 per case; any error the tool finds is reported by compute-sanitizer itself.
 """
@@ -43,16 +43,34 @@ def window_variants(dtype: torch.dtype) -> None:
                                generator=g, locality=locality)
         args = problem.to(device="cuda", dtype=dtype, coord_dtype=problem.sampling_locations.dtype).args()
         grad = torch.randn(2, queries, 64, device="cuda", dtype=dtype)
-        forward_count = len(kernel_configs("tma_ws", "forward"))
-        for index, name in enumerate(kernel_configs("tma_ws", "backward")):  # the forward's, then backward-only ones
+        forward_names = kernel_configs("tma_ws", "forward")
+        for index, name in enumerate(kernel_configs("tma_ws", "backward")):  # the shared ones, then backward-only ones
             if "_w" not in name and "_m16" not in name:
                 continue
-            if index < forward_count:
+            if index < len(forward_names) and forward_names[index] == name:
                 ops.ms_deform_attn_forward(*args, "tma_ws", index)
             for deterministic in (False, True):
                 ops.ms_deform_attn_backward(grad, *args, "tma_ws", index, deterministic)
             torch.cuda.synchronize()
             print(f"tma_ws  {str(dtype):15} {locality:8} {name}: ok")
+
+
+def tensor_core_variants(dtype: torch.dtype) -> None:
+    """tma_ws's tensor-core gather forward configs (`tc_*`, fp16/bf16 rows of 32 channels): 12 points
+    per item (padding lanes), 40 (the step loop) and an encoder; points outside the levels."""
+    cases = (("p4_l3", [(9, 13), (5, 7), (3, 4)], 4, 40), ("p8_l5", [(8, 8), (4, 4), (2, 2), (1, 2), (1, 1)], 8, 33),
+             ("encoder", [(9, 13), (5, 7), (3, 4)], 4, 9 * 13 + 5 * 7 + 3 * 4))
+    names = kernel_configs("tma_ws", "forward")
+    for label, levels, points, queries in cases:
+        g = torch.Generator().manual_seed(2)
+        problem = make_problem(levels, batch=2, queries=queries, heads=3, channels=32, points=points, dtype=dtype,
+                               generator=g, locality="uniform")
+        args = problem.to(device="cuda", dtype=dtype, coord_dtype=problem.sampling_locations.dtype).args()
+        for index, name in enumerate(names):
+            if name.startswith("tc_"):
+                ops.ms_deform_attn_forward(*args, "tma_ws", index)
+                torch.cuda.synchronize()
+                print(f"tma_ws  {str(dtype):15} {label:8} {name}: ok")
 
 
 def main(argv=None) -> int:
@@ -75,6 +93,8 @@ def main(argv=None) -> int:
     if "tma_ws" in args.backends:
         for dtype in (torch.float16, torch.bfloat16, torch.float32):
             window_variants(dtype)
+        for dtype in (torch.float16, torch.bfloat16):
+            tensor_core_variants(dtype)
     return 0
 
 

@@ -330,7 +330,7 @@ def test_every_tma_ws_config_against_float64(case, dtype):
         check(out, answers[0], f"{name} output")
     backward_names = kernel_configs("tma_ws", "backward")
     shared = [name for name in names if not name.startswith("tc_")]
-    assert names == shared + tensor_core_forward_configs()  # the forward-only configs come last
+    assert list(names) == shared + tensor_core_forward_configs()  # the forward-only configs come last
     assert backward_names[: len(shared)] == shared  # the backward-only configs come last
     for config, name in enumerate(backward_names):
         for deterministic in (False, True) if name.endswith("_g") or "_m16" in name else (False,):
@@ -383,7 +383,7 @@ def test_tma_ws_tensor_core_forward_against_float64(case, dtype):
 @pytest.mark.parametrize("magnitude", [1e-3, 1.0, 3e5])
 def test_tma_ws_tensor_core_forward_weight_scale(magnitude):
     """Attention weights far from softmax's range keep the fp16 accuracy rule: the kernel scales each
-    item's weights by a power of two before splitting them into fp16 hi and lo parts (unscaled,
+    slot's weights by a power of two before splitting them into fp16 hi and lo parts (unscaled,
     fp16 would lose corner weights of 1e-3 / 16 to subnormals and turn 3e5 into Inf)."""
     problem = cuda_problem(CASES[0], torch.float16, seed=41)
     skip_unless_supported("tma_ws", validate(*problem.args()))

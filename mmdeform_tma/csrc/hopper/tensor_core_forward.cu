@@ -216,16 +216,17 @@ __device__ __forceinline__ void multiply_step(float (&acc)[4][4], const StepOper
   }
 }
 
-// The item's weights scaled by a power of two that brings the largest finite one into [1, 2):
-// fp16 then holds every weight's hi part (no overflow past 65504, no subnormal loss for small
-// ones); the output is scaled back exactly.
+// A slot's weights scaled by a power of two that brings its largest finite one into [1, 2): fp16
+// then holds every weight's hi part (no overflow past 65504, no subnormal loss for small ones),
+// and the slot's output is scaled back exactly. Per slot, not per item: a slot's points are its
+// four t lanes' in every step, and its B columns meet only its own rows' results.
 template <int STEPS>
-__device__ __forceinline__ float item_scale(const Sample (&m)[STEPS]) {
+__device__ __forceinline__ float slot_scale(const Sample (&m)[STEPS]) {
   float largest = 0.f;
 #pragma unroll
   for (int i = 0; i < STEPS; ++i) largest = fmaxf(largest, isfinite(m[i].weight) ? fabsf(m[i].weight) : 0.f);
-#pragma unroll
-  for (int offset = 1; offset < 32; offset <<= 1) largest = fmaxf(largest, __shfl_xor_sync(0xffffffffu, largest, offset));
+  largest = fmaxf(largest, __shfl_xor_sync(0xffffffffu, largest, 1));
+  largest = fmaxf(largest, __shfl_xor_sync(0xffffffffu, largest, 2));
   if (largest == 0.f) return 1.f;
   const int exponent = min(max(((__float_as_int(largest) >> 23) & 0xff) - 127, -126), 126);
   return __int_as_float((127 - exponent) << 23);
@@ -238,11 +239,11 @@ __device__ __forceinline__ void store_item(const Args& p, float (&acc)[4][4], in
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
     // hi + lo, unless hi is infinite: a lo column of 0 x Inf is NaN where the reference has Inf
-    float r0 = isinf(acc[j][0]) ? acc[j][0] : acc[j][0] + acc[j][1];
-    float r1 = isinf(acc[j][2]) ? acc[j][2] : acc[j][2] + acc[j][3];
+    float r0 = (isinf(acc[j][0]) ? acc[j][0] : acc[j][0] + acc[j][1]) * unscale;
+    float r1 = (isinf(acc[j][2]) ? acc[j][2] : acc[j][2] + acc[j][3]) * unscale;
     r0 += __shfl_xor_sync(0xffffffffu, r0, 9);  // the other slot's lane: g ^ 2, t ^ 1
     r1 += __shfl_xor_sync(0xffffffffu, r1, 9);
-    out[j] = pack_pair<scalar_t>(r0 * unscale, r1 * unscale);
+    out[j] = pack_pair<scalar_t>(r0, r1);
   }
   if (t == 0 && slot == 0) {
     *reinterpret_cast<uint4*>(p.output + static_cast<int64_t>(item) * (kChannels * sizeof(scalar_t)) + chunk * 16) =
@@ -291,7 +292,7 @@ __global__ void __launch_bounds__(256) tensor_core_forward_kernel(const __grid_c
 #pragma unroll
     for (int i = 0; i < STEPS; ++i) m[i] = load_sample(p, sp[i], item, item < last);
     for (; item < last; item += warps) {
-      const float scale = item_scale(m);
+      const float scale = slot_scale(m);
       const uint64_t base = item_base(item);
       StepOperands o[STEPS];
 #pragma unroll
@@ -308,12 +309,12 @@ __global__ void __launch_bounds__(256) tensor_core_forward_kernel(const __grid_c
     const int steps = (p.levels * p.points + kPointsPerStep - 1) / kPointsPerStep;
     for (; item < last; item += warps) {
       float largest = 0.f;
-      for (int i = slot * 4 + t; i < p.levels * p.points; i += 4 * 2) {  // the lane's points, as in item_scale
+      for (int i = slot * 4 + t; i < p.levels * p.points; i += kPointsPerStep) {  // the lane's points in every step
         const float w = __ldg(p.weights + static_cast<int64_t>(item) * p.levels * p.points + i);
         largest = fmaxf(largest, isfinite(w) ? fabsf(w) : 0.f);
       }
       Sample probe[1] = {{0.f, 0.f, largest}};
-      const float scale = item_scale(probe);
+      const float scale = slot_scale(probe);
       const uint64_t base = item_base(item);
       float acc[4][4] = {};
       for (int i = 0; i < steps; ++i) {
