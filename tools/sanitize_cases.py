@@ -6,9 +6,10 @@
 
 Covers every dtype, the fast and the deterministic backward, partial tiles and points outside the
 levels, and for tma_ws every compiled variant with windows (TMA windows, and the MMA backward's
-accumulation windows, and the tensor-core gather forward) on encoder problems (one query per pixel: pixel-block tiles; sampled
-locally, and uniformly over a level larger than four windows) and a decoder one. Prints one line
-per case; any error the tool finds is reported by compute-sanitizer itself.
+accumulation windows) on encoder problems (one query per pixel: pixel-block tiles; sampled
+locally, and uniformly over a level larger than four windows) and a decoder one, and the
+tensor-core gather forward configs. Prints one line per case; any error the tool finds is reported
+by compute-sanitizer itself.
 """
 
 import argparse

@@ -2,9 +2,9 @@
 // window, TMA or shared memory: one warp per item (batch, query, head), its corners gathered from
 // global memory through L1 and summed by m16n8k16 products. It wins on decoders, where a tile's
 // queries share no window and the pipelined kernels' producer is latency on the critical path:
-// DETR decoder bs 2, 13.4 us against 17.6 for the table's config; it loses on encoders (194 against
-// 156 us), whose pipelined kernel is held by the L1's wavefront rate (H100, 2026-11-26; perf_notes.md,
-// session 29).
+// DETR decoder bs 2 fp16, 13.3 us against 17.3 for the pipelined kernel's table config; it loses
+// on encoders (208 against 156 us), whose pipelined kernel hides the gathers' latency behind its
+// producer (H100, 2026-11-26, commit 8036bfa; perf_notes.md, session 29).
 //
 // The product, per warp and step (8 points: two slots of four, each slot one query-head's points):
 //   A (16 x 16): row r = a channel of one slot, k = a corner: lane (g, t) loads the 16-byte chunk
@@ -19,7 +19,6 @@
 #include <c10/cuda/CUDAException.h>
 
 #include "../common/cuda_runtime_utils.h"
-#include "../common/dtype_dispatch.cuh"
 #include "mma_fragments.cuh"
 #include "tensor_core_forward.h"
 #include "tensor_map.h"
@@ -34,6 +33,7 @@ using hopper::window::TensorCoreForwardConfig;
 constexpr int kChannels = 32;     // a head row: 64 bytes, four 16-byte chunks
 constexpr int kPointsPerStep = 8;  // two slots of four points
 constexpr int kMaxUnrolledSteps = 4;
+constexpr int kMaxWarps = 8;  // the configs' largest CTA (tensor_core_forward_configs)
 
 // Quotient by a divisor fixed for the launch (round-up multiplier): n < 2^31.
 struct FastDivisor {
@@ -89,12 +89,12 @@ __device__ __forceinline__ uint32_t byte_permute(uint32_t a, uint32_t b, uint32_
 }
 
 template <typename scalar_t>
-__device__ __forceinline__ uint32_t pack_pair(float lo_index, float hi_index) {
+__device__ __forceinline__ uint32_t pack_pair(float low_half, float high_half) {
   if constexpr (std::is_same_v<scalar_t, __half>) {
-    const __half2 h = __floats2half2_rn(lo_index, hi_index);
+    const __half2 h = __floats2half2_rn(low_half, high_half);
     return *reinterpret_cast<const uint32_t*>(&h);
   } else {
-    const __nv_bfloat162 h = __floats2bfloat162_rn(lo_index, hi_index);
+    const __nv_bfloat162 h = __floats2bfloat162_rn(low_half, high_half);
     return *reinterpret_cast<const uint32_t*>(&h);
   }
 }
@@ -220,16 +220,17 @@ __device__ __forceinline__ void multiply_step(float (&acc)[4][4], const StepOper
 // then holds every weight's hi part (no overflow past 65504, no subnormal loss for small ones),
 // and the slot's output is scaled back exactly. Per slot, not per item: a slot's points are its
 // four t lanes' in every step, and its B columns meet only its own rows' results.
-template <int STEPS>
-__device__ __forceinline__ float slot_scale(const Sample (&m)[STEPS]) {
-  float largest = 0.f;
-#pragma unroll
-  for (int i = 0; i < STEPS; ++i) largest = fmaxf(largest, isfinite(m[i].weight) ? fabsf(m[i].weight) : 0.f);
+// `largest`: the largest finite |weight| of this lane's own points.
+__device__ __forceinline__ float slot_scale(float largest) {
   largest = fmaxf(largest, __shfl_xor_sync(0xffffffffu, largest, 1));
   largest = fmaxf(largest, __shfl_xor_sync(0xffffffffu, largest, 2));
   if (largest == 0.f) return 1.f;
   const int exponent = min(max(((__float_as_int(largest) >> 23) & 0xff) - 127, -126), 126);
   return __int_as_float((127 - exponent) << 23);
+}
+
+__device__ __forceinline__ float largest_finite(float largest, float weight) {
+  return fmaxf(largest, isfinite(weight) ? fabsf(weight) : 0.f);
 }
 
 template <typename scalar_t>
@@ -257,7 +258,7 @@ __device__ __forceinline__ void store_item(const Args& p, float (&acc)[4][4], in
 // next item's samples loaded while this one is gathered. STEPS == 0: any number of steps, one at
 // a time (more than 32 points per item).
 template <typename scalar_t, int STEPS>
-__global__ void __launch_bounds__(256) tensor_core_forward_kernel(const __grid_constant__ Args p) {
+__global__ void __launch_bounds__(kMaxWarps * 32) tensor_core_forward_kernel(const __grid_constant__ Args p) {
 #if MMDEFORM_TMA_HOPPER_DEVICE
   const int first = blockIdx.x * p.items_per_cta;
   if (!level_geometry_ok(p.spatial_shapes, p.level_start, p.levels, p.num_keys)) {
@@ -292,7 +293,10 @@ __global__ void __launch_bounds__(256) tensor_core_forward_kernel(const __grid_c
 #pragma unroll
     for (int i = 0; i < STEPS; ++i) m[i] = load_sample(p, sp[i], item, item < last);
     for (; item < last; item += warps) {
-      const float scale = slot_scale(m);
+      float largest = 0.f;
+#pragma unroll
+      for (int i = 0; i < STEPS; ++i) largest = largest_finite(largest, m[i].weight);
+      const float scale = slot_scale(largest);
       const uint64_t base = item_base(item);
       StepOperands o[STEPS];
 #pragma unroll
@@ -310,11 +314,9 @@ __global__ void __launch_bounds__(256) tensor_core_forward_kernel(const __grid_c
     for (; item < last; item += warps) {
       float largest = 0.f;
       for (int i = slot * 4 + t; i < p.levels * p.points; i += kPointsPerStep) {  // the lane's points in every step
-        const float w = __ldg(p.weights + static_cast<int64_t>(item) * p.levels * p.points + i);
-        largest = fmaxf(largest, isfinite(w) ? fabsf(w) : 0.f);
+        largest = largest_finite(largest, __ldg(p.weights + static_cast<int64_t>(item) * p.levels * p.points + i));
       }
-      Sample probe[1] = {{0.f, 0.f, largest}};
-      const float scale = slot_scale(probe);
+      const float scale = slot_scale(largest);
       const uint64_t base = item_base(item);
       float acc[4][4] = {};
       for (int i = 0; i < steps; ++i) {
@@ -360,6 +362,8 @@ void tensor_core_forward(const ProblemTensors& problem, const TensorCoreForwardC
   const std::string reason = tensor_core_forward_unsupported(problem);
   TORCH_CHECK(reason.empty(), "mmdeform_tma tma_ws: config ", config.name, ": ", reason);
   hopper::require_hopper("tma_ws");
+  TORCH_CHECK(config.warps >= 1 && config.warps <= kMaxWarps, "mmdeform_tma tma_ws: config ", config.name, " has ",
+              num(config.warps), " warps; the kernel is built for at most ", num(kMaxWarps));
   const int items_per_cta = config.warps * config.items_per_warp;
   const int64_t items = problem.num_items();
   const Args args{reinterpret_cast<const char*>(problem.value.data_ptr()),
