@@ -185,16 +185,22 @@ __device__ __forceinline__ Bilinear<coord_t> bilinear(coord_t x, coord_t y, int 
 
 // h, w >= 0, level_start_index is the running sum of h*w, and it adds up to num_keys. Checked on
 // the device (a few cached loads) so that inconsistent metadata never leads to reads outside value.
+// Branch-free, so that the loads of four levels issue together: with an early return per level each
+// level's loads waited for the previous level's, one L2 round trip per level at the start of every
+// CTA of a kernel's first wave, which is all of a decoder-sized call (perf_notes.md, item 66).
 __device__ __forceinline__ bool level_geometry_ok(
     const int64_t* __restrict__ shapes, const int64_t* __restrict__ starts, int levels, int64_t num_keys) {
-  int64_t expected = 0;
+  const uint64_t keys = static_cast<uint64_t>(num_keys);
+  uint64_t expected = 0;  // unsigned: once a level fails, the sums may wrap harmlessly
+  bool ok = true;
+#pragma unroll 4
   for (int l = 0; l < levels; ++l) {
-    const int64_t h = __ldg(shapes + 2 * l), w = __ldg(shapes + 2 * l + 1);
-    if (h < 0 || w < 0 || h > num_keys || w > num_keys || __ldg(starts + l) != expected) return false;
-    expected += h * w;
-    if (expected > num_keys) return false;
+    const int64_t h = __ldg(shapes + 2 * l), w = __ldg(shapes + 2 * l + 1), start = __ldg(starts + l);
+    ok &= h >= 0 && w >= 0 && h <= num_keys && w <= num_keys && static_cast<uint64_t>(start) == expected;
+    expected += static_cast<uint64_t>(h) * static_cast<uint64_t>(w);
+    ok &= expected <= keys;
   }
-  return expected == num_keys;
+  return ok && expected == keys;
 }
 
 struct LevelGeometry {

@@ -261,13 +261,14 @@ template <typename scalar_t, int STEPS>
 __global__ void __launch_bounds__(kMaxWarps * 32) tensor_core_forward_kernel(const __grid_constant__ Args p) {
 #if MMDEFORM_TMA_HOPPER_DEVICE
   const int first = blockIdx.x * p.items_per_cta;
-  if (!level_geometry_ok(p.spatial_shapes, p.level_start, p.levels, p.num_keys)) {
+  auto poisoned = [&] {  // inconsistent level geometry: NaN outputs, and nothing read from value
+    if (level_geometry_ok(p.spatial_shapes, p.level_start, p.levels, p.num_keys)) return false;
     const int64_t end = min(static_cast<int64_t>(first) + p.items_per_cta, static_cast<int64_t>(p.num_items)) * kChannels;
     for (int64_t i = static_cast<int64_t>(first) * kChannels + threadIdx.x; i < end; i += blockDim.x) {
       reinterpret_cast<scalar_t*>(p.output)[i] = quiet_nan<scalar_t>();
     }
-    return;
-  }
+    return true;
+  };
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int slot = (g >> 1) & 1;
@@ -292,6 +293,9 @@ __global__ void __launch_bounds__(kMaxWarps * 32) tensor_core_forward_kernel(con
     Sample m[STEPS];
 #pragma unroll
     for (int i = 0; i < STEPS; ++i) m[i] = load_sample(p, sp[i], item, item < last);
+    // Checked after the first samples are requested (locations and weights are in bounds whatever
+    // the geometry), so that the two round trips overlap.
+    if (poisoned()) return;
     for (; item < last; item += warps) {
       float largest = 0.f;
 #pragma unroll
@@ -310,6 +314,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32) tensor_core_forward_kernel(con
       store_item<scalar_t>(p, acc, item, t, slot, chunk, 1.f / scale);
     }
   } else {
+    if (poisoned()) return;
     const int steps = (p.levels * p.points + kPointsPerStep - 1) / kPointsPerStep;
     for (; item < last; item += warps) {
       float largest = 0.f;

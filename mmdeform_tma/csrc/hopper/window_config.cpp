@@ -187,7 +187,8 @@ const std::vector<TensorCoreForwardConfig>& tensor_core_forward_configs() {
   // Decoder-sized grids want few items per CTA (DETR decoder bs 2: 4,800 items); perf_notes.md,
   // session 29.
   static const std::vector<TensorCoreForwardConfig> all = {
-      {"tc_w8_i2", 8, 2}, {"tc_w8_i4", 8, 4}, {"tc_w4_i8", 4, 8}, {"tc_w4_i16", 4, 16}};
+      {"tc_w8_i2", 8, 2}, {"tc_w8_i4", 8, 4}, {"tc_w4_i8", 4, 8}, {"tc_w4_i16", 4, 16}, {"tc_w8_i1", 8, 1},
+      {"tc_w4_i2", 4, 2}};
   return all;
 }
 
