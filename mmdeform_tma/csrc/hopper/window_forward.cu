@@ -303,22 +303,35 @@ __global__ void __maxnreg__(lean_max_registers<scalar_t>()) forward_lean_kernel(
       for (int j = 0; j < kSlots; ++j) {
         if (j >= s.slots_per_team) break;
         const int first = (cl.team + j * cl.teams) * p.points;
-#pragma unroll 1
-        for (int point = 0; point < p.points; ++point) {  // branch-free: a missing point reads zeros
-          const uint32_t corners = meta.corners[first + point];
-          const CornerWeights<coord_t> w = meta.weights[first + point];
+        // Branch-free: a missing point reads zeros. Two points' gathers in flight before either is
+        // summed: decoder-sized calls are one wave, where each gather's round trip is on the path.
+        auto gather = [&](int i) {
+          const uint32_t corners = meta.corners[i];
           const uint32_t top = (corners & ~15u) + chunk;
           PointCorners<kChunkBytes> c;
           c.corner[kTopLeft] = load_corner_or_zero<1>(corners, values + top);
           c.corner[kTopRight] = load_corner_or_zero<2>(corners, values + (top + key_bytes));
           c.corner[kBottomLeft] = load_corner_or_zero<4>(corners, values + (top + down));
           c.corner[kBottomRight] = load_corner_or_zero<8>(corners, values + (top + down + key_bytes));
+          return c;
+        };
+        auto accumulate = [&](const PointCorners<kChunkBytes>& c, int i) {
+          const CornerWeights<coord_t> w = meta.weights[i];
           use_corners<scalar_t, VEC>(c, [&](int corner, const acc_t (&v)[VEC]) {
             const acc_t weight = static_cast<acc_t>(w.w[corner]);
 #pragma unroll
             for (int k = 0; k < VEC; ++k) acc[j][k] = fma(weight, v[k], acc[j][k]);
           });
+        };
+        int point = 0;
+#pragma unroll 1
+        for (; point + 2 <= p.points; point += 2) {
+          const PointCorners<kChunkBytes> c0 = gather(first + point);
+          const PointCorners<kChunkBytes> c1 = gather(first + point + 1);
+          accumulate(c0, first + point);
+          accumulate(c1, first + point + 1);
         }
+        if (point < p.points) accumulate(gather(first + point), first + point);
       }
       const bool last = level == p.levels - 1;
       int rows[kSlots];
