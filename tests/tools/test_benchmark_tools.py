@@ -2,8 +2,10 @@
 
 import json
 import os
+import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -636,8 +638,39 @@ def test_backward_rows_are_timed_in_graphs():
         x = torch.randn(64, device=device, requires_grad=True)
         y = (x * x).sum()
         _, mode = bench_common.time_calls(device, [lambda: torch.autograd.grad(y, x, retain_graph=True)], warmup=2, iters=3)
-    assert mode == "cuda events, graph replay"
+    assert mode == "cuda events, graph replay, queue held"
     assert torch.cuda.current_stream(device) == previous
+
+
+def test_hold_plan_covers_each_chunk_s_queueing_with_the_margin():
+    """A chunk's hold outlasts the host's queueing of it by HOLD_MARGIN, within the hold's bounds;
+    a host cost beyond the longest hold leaves one call per chunk."""
+    import bench_common as bc
+
+    chunk, hold = bc.hold_plan(0.02, 50)  # a graph replay and two events: about 20 us
+    assert chunk == 50 and hold == pytest.approx(bc.HOLD_MARGIN * 0.02 * 50)
+    chunk, hold = bc.hold_plan(1.0, 50)  # an eager backward of many launches
+    assert chunk == int(bc.MAX_HOLD_MS / bc.HOLD_MARGIN) and hold <= bc.MAX_HOLD_MS
+    assert hold >= bc.HOLD_MARGIN * 1.0 * chunk
+    assert bc.hold_plan(1e-6, 3) == (3, bc.MIN_HOLD_MS)
+    assert bc.hold_plan(200.0, 50) == (1, bc.MAX_HOLD_MS)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the held queue needs a CUDA GPU")
+def test_held_chunks_time_a_call_without_the_host_s_gaps():
+    """Host work between the calls (a sleep standing in for Python and launches) does not reach the
+    samples: each call's events are queued before the GPU leaves the hold."""
+    import bench_common as bc
+
+    x = torch.randn(1 << 20, device="cuda")
+
+    def call():
+        time.sleep(2e-4)
+        x.mul_(1.0)
+
+    samples, held = bc.held_chunks([call], iters=20)
+    assert held and len(samples) == 20
+    assert statistics.median(samples) < 0.1  # the 0.2 ms of host sleep per call is not in it
 
 
 def test_side_stream_leaves_a_cpu_run_alone():
