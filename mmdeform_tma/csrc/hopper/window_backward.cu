@@ -858,12 +858,10 @@ __global__ void __launch_bounds__(kMaxThreads, kCtasPerSm)
         }
       }
       const WindowPoint<coord_t>* slot_meta = meta + slot * p.points;
-#pragma unroll 1
-      for (int point = 0; point < p.points; ++point) {
-        // A point that misses the level runs through too (its corners read zeros, its gradients
-        // are zero): the warp stays converged for the shuffles below.
+      // A point's corner chunks (none for the MMA-dots kernels, which load their own).
+      const auto load_corners = [&](int point) {
         const WindowPoint<coord_t> m = slot_meta[point];
-        PointCorners<kChunkBytes> corners;
+        PointCorners<kChunkBytes> corners{};
         if constexpr (kMma) {
           if constexpr (!kMmaDots) {
             corners = load_split_point<scalar_t, kChunkBytes>(m, split, p.value + head_column, key_stride, row_stride);
@@ -872,6 +870,12 @@ __global__ void __launch_bounds__(kMaxThreads, kCtasPerSm)
           corners = load_point<scalar_t, VEC>(m, s.load_window && w.rows > 0, window, s, cl, lane_value, key_stride,
                                               row_stride);
         }
+        return corners;
+      };
+      const auto process_point = [&](int point, const PointCorners<kChunkBytes>& corners) {
+        // A point that misses the level runs through too (its corners read zeros, its gradients
+        // are zero): the warp stays converged for the shuffles below.
+        const WindowPoint<coord_t> m = slot_meta[point];
         // Window points whose contributions are summed per cell below (gather, MMA).
         bool gathered = false;
         if constexpr (kGather) gathered = w.rows > 0 && m.cell >= 0;
@@ -964,6 +968,25 @@ __global__ void __launch_bounds__(kMaxThreads, kCtasPerSm)
           store_pair(grad_locations + 2 * (first_point + point), sampled ? m.attention * coord_t(w.width) * grad_x : coord_t(0),
                      sampled ? m.attention * coord_t(w.height) * grad_y : coord_t(0));
         }
+      };
+      // The plain kernels with 8-byte lanes (fp16/bf16) issue the next point's gathers before this
+      // point's dots and reductions: on a decoder (one wave) each point's round trip was on the path
+      // (the forward: perf_notes.md, item 67). Two operand sets in turn, no register copies; the
+      // 16-byte lanes' second set spilled.
+      if constexpr (kAggregation == Aggregation::kDirect && kChunkBytes == 8) {
+        PointCorners<kChunkBytes> a = load_corners(0);
+        int point = 0;
+#pragma unroll 1
+        for (; point + 1 < p.points; point += 2) {
+          const PointCorners<kChunkBytes> b = load_corners(point + 1);
+          process_point(point, a);
+          if (point + 2 < p.points) a = load_corners(point + 2);
+          process_point(point + 1, b);
+        }
+        if (point < p.points) process_point(point, a);
+      } else {
+#pragma unroll 1
+        for (int point = 0; point < p.points; ++point) process_point(point, load_corners(point));
       }
     }
     if constexpr (kMma) {
