@@ -9,7 +9,7 @@ the GPU's name and compute capability. Here:
     heuristic).
 Both answer for shapes the table lacks from the nearest measured shape (`distance`), never from a
 fixed order. Under `torch.use_deterministic_algorithms(True)` the backward runs fixed-point sums
-whose fastest variants differ (the gather configs: 2.2 ms where the fast path's config takes 7.1
+(or, on decoders, sorted contributions that no config changes) whose fastest variants differ (the gather configs: 2.2 ms where the fast path's config takes 7.1
 on the fp16 DETR encoder; H100, 2026-11-23, commit 56e4c52): that direction,
 `backward-deterministic`, is tuned apart, and where nothing of it was measured the fast
 backward's choices stand. A measurement counts only through configs this build compiles: one

@@ -9,8 +9,9 @@ torch.profiler over `--calls` eager calls of `mmdeform_tma.multi_scale_deformabl
 backward of its output, input sets rotated as in tools/benchmark_op.py (L2 cannot hold them all).
 Each row is one kernel (on the CPU: one operator): its time and launch count per call, summed
 over its launches. `--grad-value-layouts` sets MMDEFORM_TMA_GRAD_VALUE_LAYOUT per run (dense: the
-whole accumulator zeroed and converted; touched: only the sampled cells' rows), so the two
-layouts of the value gradient are compared kernel by kernel. Writes JSON and Markdown.
+whole accumulator zeroed and converted; touched: only the sampled cells' rows; sorted: the
+deterministic backward's contributions sorted by cell), so the layouts of the value gradient are
+compared kernel by kernel. Writes JSON and Markdown.
 """
 
 from __future__ import annotations
@@ -119,7 +120,7 @@ def parse_args(argv=None):
     p.add_argument("--backends", nargs="*", default=None, help="default: tma_ws (GPU), pytorch (CPU)")
     p.add_argument("--dtypes", nargs="*", choices=list(DTYPES), default=None, help="default: float16 (GPU), float32 (CPU)")
     p.add_argument("--deterministic", choices=("off", "on", "both"), default="off")
-    p.add_argument("--grad-value-layouts", nargs="*", choices=("dense", "touched", "auto"), default=None,
+    p.add_argument("--grad-value-layouts", nargs="*", choices=("dense", "touched", "sorted", "auto"), default=None,
                    help=f"values of {LAYOUT_VARIABLE} to run (default: leave it as it is)")
     p.add_argument("--calls", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)

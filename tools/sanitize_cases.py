@@ -4,7 +4,8 @@
     compute-sanitizer --tool racecheck python tools/sanitize_cases.py --backends tma_ws
     compute-sanitizer --tool synccheck python tools/sanitize_cases.py
 
-Covers every dtype, the fast and the deterministic backward, partial tiles and points outside the
+Covers every dtype, the fast and the deterministic backward (its sorted value gradient, which
+`auto` takes for these small cross-attention cases, and fixed point), partial tiles and points outside the
 levels, and for tma_ws every compiled variant with windows (TMA windows, and the MMA backward's
 accumulation windows) on encoder problems (one query per pixel: pixel-block tiles; sampled
 locally, and uniformly over a level larger than four windows) and a decoder one, and the
@@ -13,6 +14,7 @@ by compute-sanitizer itself.
 """
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -79,9 +81,12 @@ def main(argv=None) -> int:
     p.add_argument("--backends", nargs="*", default=["cuda", "tma_ws"])
     args = p.parse_args(argv)
     shapes = [(7, 9), (4, 5), (2, 3), (1, 1)]
+    layout_variable = "MMDEFORM_TMA_GRAD_VALUE_LAYOUT"
+    previous_layout = os.environ.get(layout_variable)
     for backend in args.backends:
         for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
-            for deterministic in (False, True):
+            for deterministic, layout in ((False, "auto"), (True, "auto"), (True, "dense")):
+                os.environ[layout_variable] = layout
                 g = torch.Generator().manual_seed(0)
                 problem = make_problem(shapes, batch=2, queries=37, heads=3, channels=32, points=3, dtype=dtype, generator=g)
                 problem = problem.to(device="cuda", dtype=dtype, coord_dtype=problem.sampling_locations.dtype).requires_grad_()
@@ -89,8 +94,12 @@ def main(argv=None) -> int:
                 out = mmdeform_tma.multi_scale_deformable_attn(*problem.args(), backend=backend)
                 out.backward(torch.randn_like(out))
                 torch.cuda.synchronize()
-                print(f"{backend:7} {str(dtype):15} deterministic={deterministic}: ok")
+                print(f"{backend:7} {str(dtype):15} deterministic={deterministic} layout={layout}: ok")
     torch.use_deterministic_algorithms(False)
+    if previous_layout is None:
+        os.environ.pop(layout_variable, None)
+    else:
+        os.environ[layout_variable] = previous_layout
     if "tma_ws" in args.backends:
         for dtype in (torch.float16, torch.bfloat16, torch.float32):
             window_variants(dtype)

@@ -667,11 +667,51 @@ def test_value_gradient_layouts_against_float64(monkeypatch, backend, dtype, cas
     assert torch.equal(deterministic_results[0], deterministic_results[1])
 
 
+GRADIENT_NAMES = ("grad_value", "grad_locations", "grad_weights")
+# The sorted deterministic backward on the layout cases, and on 6-channel rows (one element per lane).
+SORTED_CASES = [*LAYOUT_CASES, CASES[6]]
+
+
 @pytest.mark.parametrize("backend", COMPILED_BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", SORTED_CASES, ids=lambda c: c[0])
+def test_sorted_deterministic_backward_against_float64(monkeypatch, backend, dtype, case):
+    """The deterministic backward with its value-gradient contributions sorted by cell
+    (MMDEFORM_TMA_GRAD_VALUE_LAYOUT=sorted): all three gradients against float64, and bitwise the
+    same on a second run."""
+    problem = cuda_problem(case, dtype, seed=43)
+    skip_unless_supported(backend, validate(*problem.args()))
+    _, grad_output, exact_grads, geometry32 = float64_answers(problem, dtype)
+    first = backward_with_layout(monkeypatch, "sorted", problem, grad_output, backend, True)
+    for i, (what, got, want) in enumerate(zip(GRADIENT_NAMES, first, exact_grads)):
+        assert got.dtype == problem.args()[(0, 3, 4)[i]].dtype
+        check(got, want, f"sorted {what}", geometry32[i] if i > 0 else None)
+    second = backward_with_layout(monkeypatch, "sorted", problem, grad_output, backend, True)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("backend", COMPILED_BACKENDS)
+def test_auto_sorts_the_deterministic_backward_of_sparse_problems_only(monkeypatch, backend):
+    """`auto` sorts the deterministic backward of a decoder (0.08 corners per key), bitwise the
+    forced sorted result and not the fixed-point one, and keeps fixed point for an encoder (as many
+    queries as keys)."""
+    for case, expected, other in ((SPARSE_DECODER, "sorted", "dense"), (CASES[9], "dense", "sorted")):
+        problem = cuda_problem(case, torch.float32, seed=47)
+        skip_unless_supported(backend, validate(*problem.args()))
+        grad_output = torch.randn(*problem.sampling_locations.shape[:2], problem.value.shape[2] * problem.value.shape[3], device="cuda")
+        chosen = backward_with_layout(monkeypatch, "auto", problem, grad_output, backend, True)[0]
+        assert torch.equal(chosen, backward_with_layout(monkeypatch, expected, problem, grad_output, backend, True)[0]), case[0]
+        assert not torch.equal(chosen, backward_with_layout(monkeypatch, other, problem, grad_output, backend, True)[0]), case[0]
+
+
+@pytest.mark.parametrize("backend", COMPILED_BACKENDS)
+@pytest.mark.parametrize("layout", ["touched", "sorted"])
 @pytest.mark.parametrize("deterministic", [False, True], ids=["fast", "deterministic"])
-def test_touched_cells_carry_non_finite_gradients(monkeypatch, backend, deterministic):
+def test_sparse_layouts_carry_non_finite_gradients(monkeypatch, backend, layout, deterministic):
     """A NaN or Inf in grad_output reaches exactly the value cells the reference's does when only
-    the touched cells' rows are zeroed; every other cell is exactly zero."""
+    the touched cells' rows are zeroed, or the contributions are sorted by cell (deterministic only;
+    the fast backward keeps its automatic layout there); every other cell is exactly zero."""
     problem = cuda_problem(SPARSE_DECODER, torch.float16, seed=41)
     skip_unless_supported(backend, validate(*problem.args()))
     value, shapes, starts, loc, attn = problem.args()
@@ -682,7 +722,7 @@ def test_touched_cells_carry_non_finite_gradients(monkeypatch, backend, determin
     grad_output[1, 10, 40] = float("inf")
     grad_output[1, 11, 100] = -float("inf")
     (want,) = torch.autograd.grad(exact, exact_inputs[0], grad_output.double())
-    got = backward_with_layout(monkeypatch, "touched", problem, grad_output, backend, deterministic)[0]
+    got = backward_with_layout(monkeypatch, layout, problem, grad_output, backend, deterministic)[0]
     assert torch.equal(torch.isnan(got), torch.isnan(want))
     assert torch.equal(torch.isinf(got), torch.isinf(want)) and torch.equal(got[torch.isinf(want)], want[torch.isinf(want)].half())
     finite = torch.isfinite(want)
@@ -691,15 +731,19 @@ def test_touched_cells_carry_non_finite_gradients(monkeypatch, backend, determin
 
 
 def test_value_gradient_layout_names_what_it_cannot_do(monkeypatch):
-    """Forcing touched cells where they cannot run raises with the reason, as does an unknown
-    layout; `auto` runs."""
+    """Forcing touched cells or sorted contributions where they cannot run raises with the reason,
+    as does an unknown layout; `auto` runs."""
     if reason := backend_skip_reason("cuda"):
         pytest.skip(reason)
     problem = cuda_problem(CASES[6], torch.float16)  # 6 channels per head
     grad_output = torch.randn(problem.value.shape[0], problem.sampling_locations.shape[1], 18, device="cuda", dtype=torch.float16)
     with pytest.raises(RuntimeError, match=r"touched: channels per head \(6\) is not a multiple of 8"):
         backward_with_layout(monkeypatch, "touched", problem, grad_output, "cuda", False)
-    with pytest.raises(RuntimeError, match="is 'dense', 'touched' or 'auto', not 'sparse'"):
+    with pytest.raises(RuntimeError, match="is 'dense', 'touched', 'sorted' or 'auto', not 'sparse'"):
         backward_with_layout(monkeypatch, "sparse", problem, grad_output, "cuda", False)
+    wide = cuda_problem(CASES[5], torch.float32)  # 256 fp32 channels: two 16-byte vectors per lane
+    wide_grad = torch.randn(*wide.sampling_locations.shape[:2], 256, device="cuda")
+    with pytest.raises(RuntimeError, match=r"sorted: channels per head \(256\) exceed a warp's one vector per lane \(128\)"):
+        backward_with_layout(monkeypatch, "sorted", wide, wide_grad, "cuda", True)
     grads = backward_with_layout(monkeypatch, "auto", problem, grad_output, "cuda", False)
     assert grads[0].shape == problem.value.shape

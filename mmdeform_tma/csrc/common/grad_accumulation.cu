@@ -194,20 +194,32 @@ std::string touched_cells_unsupported(const ProblemTensors& problem) {
 
 }  // namespace
 
-GradValueLayout grad_value_layout(const ProblemTensors& problem, bool deterministic) {
+GradValueLayout grad_value_layout(const ProblemTensors& problem, const at::Tensor& grad_output, bool deterministic) {
   const char* forced = std::getenv("MMDEFORM_TMA_GRAD_VALUE_LAYOUT");
   if (forced != nullptr && std::strcmp(forced, "dense") == 0) return GradValueLayout::kDense;
+  const int64_t corners_per_batch_head = 4 * problem.queries * problem.levels * problem.points;
+  const bool forced_sorted = forced != nullptr && std::strcmp(forced, "sorted") == 0;
+  if (deterministic) {
+    const std::string why = sorted_backward_unsupported(problem, grad_output);
+    TORCH_CHECK(!forced_sorted || why.empty(), "MMDEFORM_TMA_GRAD_VALUE_LAYOUT=sorted: ", why);
+    const bool auto_choice = forced == nullptr || forced[0] == '\0' || std::strcmp(forced, "auto") == 0;
+    const bool cross_attention = problem.queries < problem.num_keys;
+    if (forced_sorted ||
+        (auto_choice && why.empty() && cross_attention && corners_per_batch_head <= kSortedCornersPerKey * problem.num_keys)) {
+      return GradValueLayout::kSorted;
+    }
+  }
+  if (forced_sorted) forced = nullptr;  // the fast backward's automatic layout
   const std::string unsupported = touched_cells_unsupported(problem);
   if (forced != nullptr && std::strcmp(forced, "touched") == 0) {
     TORCH_CHECK(unsupported.empty(), "MMDEFORM_TMA_GRAD_VALUE_LAYOUT=touched: ", unsupported);
     return GradValueLayout::kTouchedCells;
   }
   TORCH_CHECK(forced == nullptr || forced[0] == '\0' || std::strcmp(forced, "auto") == 0,
-              "MMDEFORM_TMA_GRAD_VALUE_LAYOUT is 'dense', 'touched' or 'auto', not '", forced, "'");
+              "MMDEFORM_TMA_GRAD_VALUE_LAYOUT is 'dense', 'touched', 'sorted' or 'auto', not '", forced, "'");
   // fp32's fast buffer is the result itself: there is no final pass to save. The deterministic
   // int64 buffer is twice fp32's, so touched cells pay off at more corners per key: DINO's
   // decoder (2.85 corners per key) gained 8 % there and nothing in fp16 (perf_notes 32).
-  const int64_t corners_per_batch_head = 4 * problem.queries * problem.levels * problem.points;
   const bool sparse = corners_per_batch_head <= problem.num_keys;
   const bool fairly_sparse = corners_per_batch_head <= 4 * problem.num_keys;
   return unsupported.empty() && ((deterministic && fairly_sparse) || (problem.value.element_size() == 2 && sparse))

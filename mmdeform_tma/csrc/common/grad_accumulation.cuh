@@ -11,6 +11,9 @@
 // quantum is that bound times 2^-62. Non-finite contributions set per-element flags instead, which
 // the finalize step turns back into NaN / +Inf / -Inf exactly as IEEE addition would.
 //
+// The deterministic backward of sparse problems takes neither sink: it sorts its contributions by
+// cell instead (sorted_value_gradient.h).
+//
 // Either buffer is zeroed whole (dense), or only in the rows of the (batch, key, head) cells that
 // a valid corner touches (touched cells): when the corners cover few of value's cells, as in
 // decoders, two passes mark those cells and zero their rows, and the final pass writes the whole
@@ -26,6 +29,7 @@
 #include "device_utils.cuh"
 #include "dtype_dispatch.cuh"
 #include "launchers.h"
+#include "sorted_value_gradient.h"
 
 namespace mmdeform_tma {
 
@@ -128,15 +132,25 @@ struct FixedPointSink {
   }
 };
 
-// How much of the value gradient's accumulator is initialised (see the top of this file).
-enum class GradValueLayout { kDense, kTouchedCells };
+// How much of the value gradient's accumulator is initialised (see the top of this file), or, for
+// the deterministic backward only, no accumulator: contributions sorted by cell.
+enum class GradValueLayout { kDense, kTouchedCells, kSorted };
 
-// The layout for this problem. MMDEFORM_TMA_GRAD_VALUE_LAYOUT=dense|touched forces one (for
-// measurements; forcing `touched` where it cannot run raises with the reason); unset or `auto`
-// picks touched cells for half-precision values when a (batch, head)'s corners are at most its
-// keys (4 x queries x levels x points <= num_keys), and for the deterministic backward when they
-// are at most four times its keys.
-GradValueLayout grad_value_layout(const ProblemTensors& problem, bool deterministic);
+// The sorted deterministic backward runs on cross-attention (fewer queries than keys) where a
+// (batch, head) has at most this many corners per key: DETR's decoder has 0.95, DINO's 2.85. On an
+// H100 (session 31) sorting won at every density measured, 0.95-38 (38: 2.42 against 4.22 ms),
+// and lost on the encoder (64: 4.11 against the windowed fixed-point MMA kernel's 1.78), whose
+// windows sum neighbouring queries; encoders are also excluded by their query count.
+constexpr int64_t kSortedCornersPerKey = 40;
+
+// The layout for this problem. MMDEFORM_TMA_GRAD_VALUE_LAYOUT=dense|touched|sorted forces one (for
+// measurements; forcing one where it cannot run raises with the reason; `sorted` applies to the
+// deterministic backward, the fast one keeps its automatic layout). Unset or `auto`: sorted for
+// the deterministic backward as kSortedCornersPerKey says; otherwise touched cells for
+// half-precision values when a (batch, head)'s corners are at most its keys
+// (4 x queries x levels x points <= num_keys), and for the deterministic backward when they are at
+// most four times its keys.
+GradValueLayout grad_value_layout(const ProblemTensors& problem, const at::Tensor& grad_output, bool deterministic);
 
 // Host side of the value gradient: allocation, the marking of touched cells, the fixed-point
 // bounds pass and the final pass into value's dtype.
@@ -188,6 +202,10 @@ using ScalarOf = std::remove_const_t<std::remove_pointer_t<Pointer>>;
 template <typename Launch>
 Gradients run_backward(const ProblemTensors& problem, const at::Tensor& grad_output, bool deterministic,
                        GradValueLayout layout, const char* what, Launch&& launch) {
+  if (layout == GradValueLayout::kSorted) {
+    TORCH_CHECK(deterministic, what, ": the sorted value gradient is the deterministic backward's");
+    return sorted_deterministic_backward(problem, grad_output);
+  }
   const auto coordinate_grads = coordinate_gradients(problem);
   const at::Tensor& grad_locations = coordinate_grads.first;
   const at::Tensor& grad_weights = coordinate_grads.second;

@@ -12,7 +12,7 @@ namespace portable {
 static const KernelConfigRegistration kBackwardConfigs("cuda", "backward", config_names());
 
 Gradients backward(const ProblemTensors& problem, const at::Tensor& grad_output, int64_t config, bool deterministic) {
-  return run_backward(problem, grad_output, deterministic, grad_value_layout(problem, deterministic),
+  return run_backward(problem, grad_output, deterministic, grad_value_layout(problem, grad_output, deterministic),
                       "mmdeform_tma cuda backward",
                       [&](auto sink, const auto* go, auto* grad_locations, auto* grad_weights) {
     using scalar_t = ScalarOf<decltype(go)>;

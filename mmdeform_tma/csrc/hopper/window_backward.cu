@@ -1083,7 +1083,7 @@ Gradients backward(const ProblemTensors& problem, const at::Tensor& grad_output,
     spread_fallback = fallback.slots == s.slots && fallback.block_cols == s.block_cols;
   }
   return run_backward(
-      problem, grad_output, deterministic, grad_value_layout(problem, deterministic), "mmdeform_tma tma_ws backward",
+      problem, grad_output, deterministic, grad_value_layout(problem, grad_output, deterministic), "mmdeform_tma tma_ws backward",
       [&](auto sink, const auto* go, auto* grad_locations, auto* grad_weights) {
         using scalar_t = ScalarOf<decltype(go)>;
         // Named here: inside the nested `if constexpr`, gcc (the host pass) reads decltype(sink) as a
