@@ -1,8 +1,7 @@
 #include "sorted_value_gradient.h"
 
-// cub in a namespace of ours: torch's own copy lives in at_cuda_detail, and two unwrapped copies in
-// one process could share kernel symbols across versions.
-#define CUB_WRAPPED_NAMESPACE mmdeform_tma_cub
+// The toolkit's cub: its symbols sit in a namespace versioned by release and architecture
+// (cub::CUB_300001_SM_900 with CUDA 13.0), torch's copy in at_cuda_detail, so the two cannot clash.
 #include <cub/device/device_radix_sort.cuh>
 
 #include "cuda_runtime_utils.h"
