@@ -183,6 +183,22 @@ __device__ __forceinline__ Bilinear<coord_t> bilinear(coord_t x, coord_t y, int 
   return b;
 }
 
+// A point's gradients from the dot products of its four corners' value rows with the output-gradient
+// row (a lane's share of them; the caller sums over its team): the attention weight's, and the
+// location's before the factors attention x level width / height.
+template <typename acc_t>
+struct CornerDotGradients {
+  acc_t attention, x, y;
+};
+
+template <typename coord_t, typename acc_t>
+__device__ __forceinline__ CornerDotGradients<acc_t> corner_dot_gradients(const Bilinear<coord_t>& bl, const acc_t (&dot)[4]) {
+  const coord_t ly = bl.ly, lx = bl.lx, hy = coord_t(1) - ly, hx = coord_t(1) - lx;
+  return {hy * hx * dot[kTopLeft] + hy * lx * dot[kTopRight] + ly * hx * dot[kBottomLeft] + ly * lx * dot[kBottomRight],
+          hy * (dot[kTopRight] - dot[kTopLeft]) + ly * (dot[kBottomRight] - dot[kBottomLeft]),
+          hx * (dot[kBottomLeft] - dot[kTopLeft]) + lx * (dot[kBottomRight] - dot[kTopRight])};
+}
+
 // h, w >= 0, level_start_index is the running sum of h*w, and it adds up to num_keys. Checked on
 // the device (a few cached loads) so that inconsistent metadata never leads to reads outside value.
 // Branch-free, so that the loads of four levels issue together: with an early return per level each

@@ -229,14 +229,10 @@ __global__ void __launch_bounds__(kMaxThreads, 1) backward_kernel(
           sink.add(corner + ch, contribution);
         }
       }
-      const coord_t ly = bl.ly, lx = bl.lx, hy = coord_t(1) - ly, hx = coord_t(1) - lx;
-      acc_t grad_a = hy * hx * dot[kTopLeft] + hy * lx * dot[kTopRight] + ly * hx * dot[kBottomLeft] +
-                     ly * lx * dot[kBottomRight];
-      acc_t grad_x = hy * (dot[kTopRight] - dot[kTopLeft]) + ly * (dot[kBottomRight] - dot[kBottomLeft]);
-      acc_t grad_y = hx * (dot[kBottomLeft] - dot[kTopLeft]) + lx * (dot[kBottomRight] - dot[kTopRight]);
-      grad_a = team_sum(grad_a, mask, team);
-      grad_x = team_sum(grad_x, mask, team);
-      grad_y = team_sum(grad_y, mask, team);
+      const CornerDotGradients<acc_t> lane_grads = corner_dot_gradients(bl, dot);
+      const acc_t grad_a = team_sum(lane_grads.attention, mask, team);
+      const acc_t grad_x = team_sum(lane_grads.x, mask, team);
+      const acc_t grad_y = team_sum(lane_grads.y, mask, team);
       if (lane == 0) {
         g_attn[idx] = grad_a;
         g_loc[2 * idx] = a * coord_t(g.width) * grad_x;
