@@ -183,22 +183,6 @@ __device__ __forceinline__ Bilinear<coord_t> bilinear(coord_t x, coord_t y, int 
   return b;
 }
 
-// A point's gradients from the dot products of its four corners' value rows with the output-gradient
-// row (a lane's share of them; the caller sums over its team): the attention weight's, and the
-// location's before the factors attention x level width / height.
-template <typename acc_t>
-struct CornerDotGradients {
-  acc_t attention, x, y;
-};
-
-template <typename coord_t, typename acc_t>
-__device__ __forceinline__ CornerDotGradients<acc_t> corner_dot_gradients(const Bilinear<coord_t>& bl, const acc_t (&dot)[4]) {
-  const coord_t ly = bl.ly, lx = bl.lx, hy = coord_t(1) - ly, hx = coord_t(1) - lx;
-  return {hy * hx * dot[kTopLeft] + hy * lx * dot[kTopRight] + ly * hx * dot[kBottomLeft] + ly * lx * dot[kBottomRight],
-          hy * (dot[kTopRight] - dot[kTopLeft]) + ly * (dot[kBottomRight] - dot[kBottomLeft]),
-          hx * (dot[kBottomLeft] - dot[kTopLeft]) + lx * (dot[kBottomRight] - dot[kTopRight])};
-}
-
 // h, w >= 0, level_start_index is the running sum of h*w, and it adds up to num_keys. Checked on
 // the device (a few cached loads) so that inconsistent metadata never leads to reads outside value.
 // Branch-free, so that the loads of four levels issue together: with an early return per level each
@@ -242,6 +226,26 @@ template <typename T>
 __device__ __forceinline__ T team_sum(T x, unsigned mask, int team) {
   for (int offset = team >> 1; offset > 0; offset >>= 1) x += __shfl_xor_sync(mask, x, offset, team);
   return x;
+}
+
+// A point's gradients from the dot products of its four corners' value rows with the output-gradient
+// row, each lane holding its share of the dots: the attention weight's, and the location's before
+// the factors attention x level width / height; summed over the team (`mask`, `team` as team_sum's).
+template <typename acc_t>
+struct CornerDotGradients {
+  acc_t attention, x, y;
+};
+
+template <typename coord_t, typename acc_t>
+__device__ __forceinline__ CornerDotGradients<acc_t> team_corner_dot_gradients(const Bilinear<coord_t>& bl,
+                                                                               const acc_t (&dot)[4], unsigned mask,
+                                                                               int team) {
+  const coord_t ly = bl.ly, lx = bl.lx, hy = coord_t(1) - ly, hx = coord_t(1) - lx;
+  const acc_t attention =
+      hy * hx * dot[kTopLeft] + hy * lx * dot[kTopRight] + ly * hx * dot[kBottomLeft] + ly * lx * dot[kBottomRight];
+  const acc_t x = hy * (dot[kTopRight] - dot[kTopLeft]) + ly * (dot[kBottomRight] - dot[kBottomLeft]);
+  const acc_t y = hx * (dot[kBottomLeft] - dot[kTopLeft]) + lx * (dot[kBottomRight] - dot[kTopRight]);
+  return {team_sum(attention, mask, team), team_sum(x, mask, team), team_sum(y, mask, team)};
 }
 
 // The same sum with the whole warp taking part, converged. A team mask known only at run time

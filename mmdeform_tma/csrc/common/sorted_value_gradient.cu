@@ -119,14 +119,11 @@ __global__ void __launch_bounds__(kThreads) sorted_point_gradients_kernel(
     for (int k = 0; k < VEC; ++k) dot[c] = fma(go[k], v[k], dot[c]);
   }
   const unsigned mask = team_mask(team);
-  const CornerDotGradients<acc_t> lane_grads = corner_dot_gradients(bl, dot);
-  const acc_t grad_a = team_sum(lane_grads.attention, mask, team);
-  const acc_t grad_x = team_sum(lane_grads.x, mask, team);
-  const acc_t grad_y = team_sum(lane_grads.y, mask, team);
+  const CornerDotGradients<acc_t> grads = team_corner_dot_gradients(bl, dot, mask, team);
   if (lane == 0) {
-    grad_weights[point] = grad_a;
-    grad_locations[2 * point] = a * coord_t(g.width) * grad_x;
-    grad_locations[2 * point + 1] = a * coord_t(g.height) * grad_y;
+    grad_weights[point] = grads.attention;
+    grad_locations[2 * point] = a * coord_t(g.width) * grads.x;
+    grad_locations[2 * point + 1] = a * coord_t(g.height) * grads.y;
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
       const bool valid = bl.valid & (1u << c);

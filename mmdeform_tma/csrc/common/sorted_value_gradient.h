@@ -1,15 +1,18 @@
 // The deterministic backward for sparse sampling (decoders), shared by the compiled backends.
 //
 // The fixed-point sink (grad_accumulation.cuh) makes every addition an int64 atomic and ends in a
-// pass over the whole accumulator: on the DETR decoder it ran at 3.8x the fast backward, on DINO's at
-// 4.1x (H100, session 30). Where a (batch, head) has few corners per key, sorting them is cheaper:
+// pass over the whole accumulator: on the fp16 DETR decoder it ran at 3.8x the fast backward, on
+// DINO's at 3.9x (H100, 2026-11-26; perf_notes item 70). Where a (batch, head) has few corners per
+// key, sorting them is cheaper:
 //   1. a team of lanes per sampling point writes its location and attention gradients (as every
 //      backward kernel does) and, for each of its four corners, an entry: the corner's
 //      (batch, key, head) cell and its weight attention x bilinear;
 //   2. a stable radix sort of the entries by cell (cub), so a cell's entries are contiguous and in
 //      entry order, which depends only on the problem's shape;
-//   3. a team of lanes per cell sums weight x output-gradient row over its entries in that order, in fp32
-//      (fp64 for fp64 values), and writes the row in value's dtype; untouched cells stay zero.
+//   3. a warp per 32 sorted entries stages them in shared memory, and its teams of lanes take the
+//      cells that start there: each sums weight x output-gradient row over the cell's entries in that
+//      order, in fp32 (fp64 for fp64 values), and writes the row in value's dtype; untouched cells
+//      stay zero.
 // No atomics, so the result is bitwise reproducible, and its rounding is that of the fast path's
 // fp32 sums rather than fixed point's quantum. Non-finite contributions propagate as IEEE addition
 // does (0 x Inf is NaN, as in the atomic sums).

@@ -229,14 +229,11 @@ __global__ void __launch_bounds__(kMaxThreads, 1) backward_kernel(
           sink.add(corner + ch, contribution);
         }
       }
-      const CornerDotGradients<acc_t> lane_grads = corner_dot_gradients(bl, dot);
-      const acc_t grad_a = team_sum(lane_grads.attention, mask, team);
-      const acc_t grad_x = team_sum(lane_grads.x, mask, team);
-      const acc_t grad_y = team_sum(lane_grads.y, mask, team);
+      const CornerDotGradients<acc_t> grads = team_corner_dot_gradients(bl, dot, mask, team);
       if (lane == 0) {
-        g_attn[idx] = grad_a;
-        g_loc[2 * idx] = a * coord_t(g.width) * grad_x;
-        g_loc[2 * idx + 1] = a * coord_t(g.height) * grad_y;
+        g_attn[idx] = grads.attention;
+        g_loc[2 * idx] = a * coord_t(g.width) * grads.x;
+        g_loc[2 * idx + 1] = a * coord_t(g.height) * grads.y;
       }
     }
   }
