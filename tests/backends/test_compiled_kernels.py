@@ -668,8 +668,9 @@ def test_value_gradient_layouts_against_float64(monkeypatch, backend, dtype, cas
 
 
 GRADIENT_NAMES = ("grad_value", "grad_locations", "grad_weights")
-# The sorted deterministic backward on the layout cases, and on 6-channel rows (one element per lane).
-SORTED_CASES = [*LAYOUT_CASES, CASES[6]]
+# The sorted deterministic backward on the layout cases, on 6- and 12-channel rows (one element per
+# lane), and on 256-channel rows (a team of the whole warp, one warp's stage per block in fp32).
+SORTED_CASES = [*LAYOUT_CASES, CASES[6], ("c12_sparse", [(9, 13), (5, 7)], 2, 40, 2, 12, 3, "local"), CASES[5]]
 
 
 @pytest.mark.parametrize("backend", COMPILED_BACKENDS)
@@ -741,9 +742,10 @@ def test_value_gradient_layout_names_what_it_cannot_do(monkeypatch):
         backward_with_layout(monkeypatch, "touched", problem, grad_output, "cuda", False)
     with pytest.raises(RuntimeError, match="is 'dense', 'touched', 'sorted' or 'auto', not 'sparse'"):
         backward_with_layout(monkeypatch, "sparse", problem, grad_output, "cuda", False)
-    wide = cuda_problem(CASES[5], torch.float32)  # 256 fp32 channels: two 16-byte vectors per lane
-    wide_grad = torch.randn(*wide.sampling_locations.shape[:2], 256, device="cuda")
-    with pytest.raises(RuntimeError, match=r"sorted: channels per head \(256\) exceed a warp's one vector per lane \(128\)"):
+    # 36 channels are not whole 8-element lanes: one element per lane, 32 at most.
+    wide = cuda_problem(("c36", [(6, 7), (3, 4)], 2, 30, 1, 36, 2, "uniform"), torch.float32)
+    wide_grad = torch.randn(*wide.sampling_locations.shape[:2], 36, device="cuda")
+    with pytest.raises(RuntimeError, match=r"sorted: channels per head \(36\) exceed a warp's one vector per lane \(32\)"):
         backward_with_layout(monkeypatch, "sorted", wide, wide_grad, "cuda", True)
     grads = backward_with_layout(monkeypatch, "auto", problem, grad_output, "cuda", False)
     assert grads[0].shape == problem.value.shape

@@ -12,6 +12,20 @@
 
 namespace mmdeform_tma {
 
+// Quotients by a divisor fixed for a launch: a multiply-high, an add and a shift (round-up
+// multiplier) for n < 2^31, instead of an integer division's instruction sequence.
+struct FastDivisor {
+  uint32_t multiplier, shift;
+  __device__ __forceinline__ uint32_t divide(uint32_t n) const { return (__umulhi(n, multiplier) + n) >> shift; }
+};
+
+inline FastDivisor fast_divisor(uint32_t d) {  // 0 < d < 2^31
+  uint32_t shift = 0;
+  while ((1u << shift) < d) ++shift;
+  const uint64_t multiplier = ((uint64_t{1} << 32) * ((uint64_t{1} << shift) - d)) / d + 1;
+  return {static_cast<uint32_t>(multiplier), shift};
+}
+
 // Accumulators are fp32 (fp64 for an fp64 value).
 template <typename scalar_t>
 using acc_type = coord_type<scalar_t>;

@@ -7,6 +7,7 @@
 #include "cuda_runtime_utils.h"
 #include <c10/cuda/CUDAException.h>
 
+#include <algorithm>
 #include <climits>
 #include <cstdint>
 
@@ -19,18 +20,59 @@ namespace {
 
 constexpr int kThreads = 256;
 
-// A lane's vector: 16 bytes where the row is whole 16-byte chunks, else one element.
-template <typename scalar_t>
-constexpr int wide_vec() {
-  return 16 / static_cast<int>(sizeof(scalar_t));
+// A lane's elements of a row: 8 where channels and alignment allow (16 bytes of fp16/bf16; 32 or 64
+// bytes of fp32/fp64, moved in 16-byte pieces), so a team of 4 lanes covers 32 channels in every
+// dtype and a warp sums 8 pieces at once; else one element.
+constexpr int kLaneElements = 8;
+
+template <typename scalar_t, int N>
+constexpr int piece_elements() {
+  return N < 16 / static_cast<int>(sizeof(scalar_t)) ? N : 16 / static_cast<int>(sizeof(scalar_t));
+}
+
+template <typename scalar_t, int N>
+__device__ __forceinline__ Vec<scalar_t, N> load_lane(const scalar_t* ptr) {
+  constexpr int kPiece = piece_elements<scalar_t, N>();
+  Vec<scalar_t, N> out;
+#pragma unroll
+  for (int i = 0; i < N; i += kPiece) {
+    const Vec<scalar_t, kPiece> piece = load_vec<scalar_t, kPiece>(ptr + i);
+#pragma unroll
+    for (int k = 0; k < kPiece; ++k) out.v[i + k] = piece.v[k];
+  }
+  return out;
+}
+
+template <typename scalar_t, int N>
+__device__ __forceinline__ Vec<scalar_t, N> load_shared_lane(const scalar_t* ptr) {
+  constexpr int kPiece = piece_elements<scalar_t, N>();
+  Vec<scalar_t, N> out;
+#pragma unroll
+  for (int i = 0; i < N; i += kPiece) {
+    const Vec<scalar_t, kPiece> piece = load_shared_vec<scalar_t, kPiece>(ptr + i);
+#pragma unroll
+    for (int k = 0; k < kPiece; ++k) out.v[i + k] = piece.v[k];
+  }
+  return out;
+}
+
+template <typename scalar_t, int N>
+__device__ __forceinline__ void store_lane(scalar_t* ptr, const Vec<scalar_t, N>& vec) {
+  constexpr int kPiece = piece_elements<scalar_t, N>();
+#pragma unroll
+  for (int i = 0; i < N; i += kPiece) {
+    Vec<scalar_t, kPiece> piece;
+#pragma unroll
+    for (int k = 0; k < kPiece; ++k) piece.v[k] = vec.v[i + k];
+    store_vec(ptr + i, piece);
+  }
 }
 
 bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
 
-int vec_elements(const ProblemTensors& problem, const at::Tensor& grad_output) {
-  const int64_t wide = 16 / problem.value.element_size();
-  const bool fits = problem.channels % wide == 0 && aligned16(problem.value) && aligned16(grad_output);
-  return fits ? static_cast<int>(wide) : 1;
+int lane_elements(const ProblemTensors& problem, const at::Tensor& grad_output) {
+  const bool fits = problem.channels % kLaneElements == 0 && aligned16(problem.value) && aligned16(grad_output);
+  return fits ? kLaneElements : 1;
 }
 
 int team_log2_for(int64_t lanes) {
@@ -39,32 +81,79 @@ int team_log2_for(int64_t lanes) {
   return log2;
 }
 
+// The entries' order before the sort: a (batch, head) at a time, then the points' own order,
+// (query, level, point, corner). The sort's key is the corner's pixel only: being stable, it leaves
+// each pixel's entries in that order, so a (batch, pixel, head) cell's entries are contiguous and in
+// (query, level, point, corner) order. A pixel key needs fewer bits than a cell key (15 against 19 on
+// DETR's bs 2 decoder), and cub's sort one pass fewer.
+struct EntryOrder {
+  int queries, heads, corners_per_query;  // corners_per_query: levels x points x 4
+  FastDivisor by_queries, by_heads, by_corners;
+
+  __device__ __forceinline__ int64_t first_entry(int item, int level_point) const {
+    const int batch_query = static_cast<int>(by_heads.divide(item));
+    const int head = item - batch_query * heads;
+    const int batch = static_cast<int>(by_queries.divide(batch_query));
+    const int query = batch_query - batch * queries;
+    return ((static_cast<int64_t>(batch) * heads + head) * queries + query) * corners_per_query + 4 * level_point;
+  }
+  // The (batch, head) group of an entry, and its item (the row of grad_output it multiplies).
+  __device__ __forceinline__ int group(int32_t entry) const {
+    return static_cast<int>(by_queries.divide(by_corners.divide(entry)));
+  }
+  __device__ __forceinline__ int item(int32_t entry) const {
+    const int group_query = static_cast<int>(by_corners.divide(entry));
+    const int group = static_cast<int>(by_queries.divide(group_query));
+    const int batch = static_cast<int>(by_heads.divide(group));
+    return ((batch * queries) + group_query - group * queries) * heads + group - batch * heads;
+  }
+};
+
+EntryOrder entry_order_of(const ProblemTensors& problem) {
+  const auto queries = static_cast<uint32_t>(problem.queries), heads = static_cast<uint32_t>(problem.heads);
+  const auto corners = static_cast<uint32_t>(4 * problem.levels * problem.points);
+  return {static_cast<int>(queries), static_cast<int>(heads), static_cast<int>(corners),
+          fast_divisor(queries), fast_divisor(heads), fast_divisor(corners)};
+}
+
 // Step 1: a team per sampling point (item, level, point), numbered as locations are. Lane 0
 // writes the point's gradients and its four entries; the team's lanes share the dot products.
-template <typename scalar_t, int VEC>
+// First, every thread of the grid zeroes its share of grad_value (the cells no corner touches stay
+// zero): stores that overlap the points' loads. A memset before the kernel took 6 (fp16) to 12 us
+// (fp32) of DETR's decoder on its own; fused, the kernel grew by 4-5 us (H100, session 32).
+template <typename scalar_t, int LANE>
 __global__ void __launch_bounds__(kThreads) sorted_point_gradients_kernel(
     const Problem<scalar_t> p, const scalar_t* __restrict__ grad_output, coord_type<scalar_t>* __restrict__ grad_locations,
     coord_type<scalar_t>* __restrict__ grad_weights, int32_t* __restrict__ keys, int32_t* __restrict__ entry_index,
-    acc_type<scalar_t>* __restrict__ entry_weights, int32_t no_cell, int team_log2) {
+    acc_type<scalar_t>* __restrict__ entry_weights, const EntryOrder order, int team_log2,
+    uint4* __restrict__ zero_fill, int64_t zero_vectors) {
   using coord_t = coord_type<scalar_t>;
   using acc_t = acc_type<scalar_t>;
+  const int64_t threads = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < zero_vectors; i += threads) {
+    zero_fill[i] = make_uint4(0u, 0u, 0u, 0u);
+  }
   const int team = 1 << team_log2;
   const int lane = threadIdx.x & (team - 1);
   const int64_t point = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> team_log2;
-  const int64_t points_per_item = static_cast<int64_t>(p.levels) * p.points;
-  if (point >= p.num_items * points_per_item) return;  // whole teams: team divides the block
-  int32_t* point_keys = keys + 4 * point;
-  acc_t* point_weights = entry_weights + 4 * point;
+  const int points_per_item = p.levels * p.points;
+  if (point >= static_cast<int64_t>(p.num_items) * points_per_item) return;  // whole teams: team divides the block
+  const int item = static_cast<int>(point / points_per_item);
+  const int level_point = static_cast<int>(point % points_per_item);
+  const int64_t first_entry = order.first_entry(item, level_point);
+  int32_t* point_keys = keys + first_entry;
+  acc_t* point_weights = entry_weights + first_entry;
   if (lane == 0) {  // the sort's payload: each entry's own index
-    const int32_t e = static_cast<int32_t>(4 * point);
-    *reinterpret_cast<int4*>(entry_index + 4 * point) = make_int4(e, e + 1, e + 2, e + 3);
+    const int32_t e = static_cast<int32_t>(first_entry);
+    *reinterpret_cast<int4*>(entry_index + first_entry) = make_int4(e, e + 1, e + 2, e + 3);
   }
-  const auto no_entries = [&] {
-#pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      point_keys[c] = no_cell;
-      point_weights[c] = acc_t(0);
-    }
+  // A point's four entries are consecutive and start at a multiple of 4: one vector store each.
+  const auto write_entries = [&](const int (&key)[4], const acc_t (&weight)[4]) {
+    *reinterpret_cast<int4*>(point_keys) = make_int4(key[0], key[1], key[2], key[3]);
+    store_vec(point_weights, Vec<acc_t, 4>{{weight[0], weight[1], weight[2], weight[3]}});
+  };
+  const auto no_entries = [&] {  // the invalid key, one past the last pixel, sorts last
+    write_entries({p.num_keys, p.num_keys, p.num_keys, p.num_keys}, {acc_t(0), acc_t(0), acc_t(0), acc_t(0)});
   };
   if (!level_geometry_ok(p.spatial_shapes, p.level_start, p.levels, p.num_keys)) {
     if (lane == 0) {  // as every backward kernel: NaN coordinate gradients, value gradients zero
@@ -74,8 +163,7 @@ __global__ void __launch_bounds__(kThreads) sorted_point_gradients_kernel(
     }
     return;
   }
-  const int item = static_cast<int>(point / points_per_item);
-  const int level = static_cast<int>((point / p.points) % p.levels);
+  const int level = level_point / p.points;
   const int head = item % p.heads;
   const int batch = item / (p.queries * p.heads);
   const LevelGeometry g = level_geometry(p.spatial_shapes, p.level_start, level);
@@ -89,34 +177,33 @@ __global__ void __launch_bounds__(kThreads) sorted_point_gradients_kernel(
     }
     return;
   }
-  const int channel = lane * VEC;
+  const int channel = lane * LANE;
   const bool active = channel < p.channels;
-  acc_t go[VEC];
+  acc_t go[LANE];
   if (active) {
-    to_acc(load_vec<scalar_t, VEC>(grad_output + static_cast<int64_t>(item) * p.channels + channel), go);
+    to_acc(load_lane<scalar_t, LANE>(grad_output + static_cast<int64_t>(item) * p.channels + channel), go);
   } else {
 #pragma unroll
-    for (int k = 0; k < VEC; ++k) go[k] = acc_t(0);
+    for (int k = 0; k < LANE; ++k) go[k] = acc_t(0);
   }
-  const int64_t cell00 =
-      (static_cast<int64_t>(batch) * p.num_keys + g.start + static_cast<int64_t>(bl.y0) * g.width + bl.x0) * p.heads + head;
-  const int64_t row_cells = static_cast<int64_t>(g.width) * p.heads;
-  int64_t cells[4];
-  Vec<scalar_t, VEC> raw[4];
+  const int pixel00 = static_cast<int>(g.start) + bl.y0 * g.width + bl.x0;
+  int pixels[4];
+  Vec<scalar_t, LANE> raw[4];
 #pragma unroll
   for (int c = 0; c < 4; ++c) {  // all four loads in flight before the dots
-    cells[c] = cell00 + ((c & 1) ? p.heads : 0) + ((c & 2) ? row_cells : 0);
-    raw[c] = (bl.valid & (1u << c)) && active ? load_vec<scalar_t, VEC>(p.value + cells[c] * p.channels + channel)
-                                              : Vec<scalar_t, VEC>{};
+    pixels[c] = pixel00 + ((c & 1) ? 1 : 0) + ((c & 2) ? g.width : 0);
+    const int64_t cell = (static_cast<int64_t>(batch) * p.num_keys + pixels[c]) * p.heads + head;
+    raw[c] = (bl.valid & (1u << c)) && active ? load_lane<scalar_t, LANE>(p.value + cell * p.channels + channel)
+                                              : Vec<scalar_t, LANE>{};
   }
   acc_t dot[4];
 #pragma unroll
   for (int c = 0; c < 4; ++c) {
-    acc_t v[VEC];
+    acc_t v[LANE];
     to_acc(raw[c], v);
     dot[c] = acc_t(0);
 #pragma unroll
-    for (int k = 0; k < VEC; ++k) dot[c] = fma(go[k], v[k], dot[c]);
+    for (int k = 0; k < LANE; ++k) dot[c] = fma(go[k], v[k], dot[c]);
   }
   const unsigned mask = team_mask(team);
   const CornerDotGradients<acc_t> grads = team_corner_dot_gradients(bl, dot, mask, team);
@@ -124,79 +211,188 @@ __global__ void __launch_bounds__(kThreads) sorted_point_gradients_kernel(
     grad_weights[point] = grads.attention;
     grad_locations[2 * point] = a * coord_t(g.width) * grads.x;
     grad_locations[2 * point + 1] = a * coord_t(g.height) * grads.y;
+    int key[4];
+    acc_t weight[4];
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
       const bool valid = bl.valid & (1u << c);
-      point_keys[c] = valid ? static_cast<int32_t>(cells[c]) : no_cell;
-      point_weights[c] = valid ? static_cast<acc_t>(a * bl.weight(c)) : acc_t(0);
+      key[c] = valid ? pixels[c] : p.num_keys;
+      weight[c] = valid ? static_cast<acc_t>(a * bl.weight(c)) : acc_t(0);
     }
+    write_entries(key, weight);
   }
 }
 
-// Step 3: a warp per chunk of 32 sorted entries. The warp stages the chunk's keys, output-gradient
-// rows and weights in shared memory (coalesced keys, one gather of weights for all 32), and its
-// teams take the cells that start in the chunk in turn: each sums weight x row over the cell's
-// entries in sorted order and writes the cell's row. A cell that runs past the chunk reads its
-// further entries from global memory. A team per entry instead, with the loads of index, weight and
-// row chained per entry, took 26-30 us at DETR's decoder and 84-101 at DINO's (H100, session 31).
-template <typename scalar_t, int VEC>
-__global__ void __launch_bounds__(kThreads) sorted_cell_sums_kernel(
+// Step 3 in two launches. Each chunk of 32 sorted entries is cut into pieces, a piece being the
+// chunk's entries of one cell. A cell inside one chunk is one piece; a cell that crosses chunk ends
+// is a trailing piece (where it begins), lead pieces of the chunks after it, and its sum is those
+// pieces' sums added in chunk order. No team walks a long cell (DINO's coarsest level holds 58
+// entries per cell) entry by entry past its chunk. The pieces depend on the sorted order alone, so
+// the sums stay bitwise reproducible.
+enum ChunkFlags : int32_t { kTrailing = 1, kLeadEndsHere = 2 };
+
+// A warp's chunk in dynamic shared memory: the output-gradient rows of its 32 entries (a team's
+// lanes x LANE elements each), then the entries' cells, items and weights. A block stays within
+// the default 48 KiB.
+constexpr int kMaxStageBytes = 48 << 10;
+
+__host__ __device__ constexpr int chunk_stage_bytes(int element_bytes, int acc_bytes, int row_elements) {
+  return 32 * (row_elements * element_bytes + 2 * static_cast<int>(sizeof(int32_t)) + acc_bytes);
+}
+
+// The position of mask's n-th set bit (n from 0; mask has more than n set bits).
+__device__ __forceinline__ int nth_set_bit(unsigned mask, int n) {
+  int position = 0;
+#pragma unroll
+  for (int half = 16; half > 0; half >>= 1) {
+    const int below = __popc(mask & ((1u << half) - 1u));
+    if (n >= below) {
+      n -= below;
+      mask >>= half;
+      position += half;
+    }
+  }
+  return position;
+}
+
+// 3a: a warp per chunk reads its 32 sorted entries, finds where cells begin, and stages the entries'
+// weights and output-gradient rows in shared memory, the chunk's row loads in flight together. Its
+// teams then sum the chunk's pieces side by side, each in sorted order. A piece that is a whole
+// cell writes the cell's row; the lead piece and the trailing piece go to the chunk's two partial
+// rows, for 3b. Lane 0 writes the chunk's flags.
+template <typename scalar_t, int LANE>
+__global__ void __launch_bounds__(kThreads) sorted_chunk_sums_kernel(
     const int32_t* __restrict__ sorted_keys, const int32_t* __restrict__ order,
     const acc_type<scalar_t>* __restrict__ entry_weights, int64_t entries, const scalar_t* __restrict__ grad_output,
-    int channels, int entries_per_item, int32_t no_cell, int team_log2, scalar_t* __restrict__ grad_value) {
+    const EntryOrder entry_order, int num_keys, int groups, int channels, int team_log2,
+    acc_type<scalar_t>* __restrict__ partials, int32_t* __restrict__ chunk_flags, int32_t* __restrict__ trailing_cells,
+    scalar_t* __restrict__ grad_value) {
   using acc_t = acc_type<scalar_t>;
-  constexpr int kWarps = kThreads / 32;
-  __shared__ int32_t chunk_keys[kWarps][32];
-  __shared__ int32_t chunk_rows[kWarps][32];
-  __shared__ acc_t chunk_weights[kWarps][32];
+  extern __shared__ __align__(16) unsigned char chunk_stage[];
   const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
-  const int64_t base = (static_cast<int64_t>(blockIdx.x) * kWarps + warp) * 32;
+  const int64_t chunk = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + warp;
+  const int64_t base = chunk * 32;
   if (base >= entries) return;  // the whole warp
+  const int row_elements = LANE << team_log2;
+  scalar_t* rows = reinterpret_cast<scalar_t*>(chunk_stage + warp * chunk_stage_bytes(sizeof(scalar_t), sizeof(acc_t), row_elements));
+  int32_t* cells = reinterpret_cast<int32_t*>(rows + 32 * row_elements);
+  int32_t* items = cells + 32;
+  acc_t* weights = reinterpret_cast<acc_t*>(items + 32);
+  // A cell's rank in the sorted order: (pixel, batch x head); invalid corners share the last rank.
+  const int32_t no_cell = num_keys * groups;
+  const auto rank_of = [&](int32_t pixel, int32_t entry) {
+    return pixel == num_keys ? no_cell : pixel * groups + entry_order.group(entry);
+  };
   const int64_t i = base + lane;
   const bool inside = i < entries;
-  const int32_t key = inside ? sorted_keys[i] : no_cell;
-  int32_t before = __shfl_up_sync(0xffffffffu, key, 1);
-  if (lane == 0) before = base > 0 ? sorted_keys[base - 1] : -1;
   const int32_t entry = inside ? order[i] : 0;
-  chunk_keys[warp][lane] = key;
-  chunk_rows[warp][lane] = entry / entries_per_item;
-  chunk_weights[warp][lane] = inside ? entry_weights[entry] : acc_t(0);
+  const int32_t pixel = inside ? sorted_keys[i] : num_keys;
+  const int32_t key = rank_of(pixel, entry);
+  const int64_t edge = lane == 0 ? base - 1 : base + 32;  // lane 0: the entry before the chunk; lane 1: after it
+  const int32_t edge_key = lane < 2 && edge >= 0 && edge < entries ? rank_of(sorted_keys[edge], order[edge]) : -1;
+  const int group = entry_order.group(entry);
+  const int batch = static_cast<int>(entry_order.by_heads.divide(group));
+  const int32_t cell = (batch * num_keys + pixel) * entry_order.heads + group - batch * entry_order.heads;
+  cells[lane] = cell;
+  items[lane] = entry_order.item(entry);
+  weights[lane] = inside ? entry_weights[entry] : acc_t(0);
+  int32_t before = __shfl_up_sync(0xffffffffu, key, 1);
+  const int32_t edge_before = __shfl_sync(0xffffffffu, edge_key, 0);
+  const int32_t after = __shfl_sync(0xffffffffu, edge_key, 1);
+  if (lane == 0) before = edge_before;
   const unsigned boundaries = __ballot_sync(0xffffffffu, key != before);  // a cell, or the invalid corners, begins
   const unsigned starts = __ballot_sync(0xffffffffu, key != before && key != no_cell);
+  const unsigned summed = __ballot_sync(0xffffffffu, key != no_cell);  // the entries whose rows are staged
+  const bool lead = __shfl_sync(0xffffffffu, key == before && key != no_cell, 0);  // lane 0 continues a cell
+  const int32_t first_key = __shfl_sync(0xffffffffu, key, 0);
+  const int last_start = starts != 0u ? 31 - __clz(starts) : 0;
+  const int32_t last_start_key = __shfl_sync(0xffffffffu, key, last_start);
+  const int32_t last_start_cell = __shfl_sync(0xffffffffu, cell, last_start);
+  const bool trailing = starts != 0u && (boundaries >> last_start) == 1u && after == last_start_key;
+  const unsigned past_first = boundaries & ~1u;
+  const bool lead_ends = lead && (past_first != 0u || after != first_key);
+  if (lane == 0) {
+    chunk_flags[chunk] = (trailing ? kTrailing : 0) | (lead_ends ? kLeadEndsHere : 0);
+    if (trailing) trailing_cells[chunk] = last_start_cell;
+  }
   __syncwarp();
-  const int teams = 32 >> team_log2;
-  const int channel = (lane & ((1 << team_log2) - 1)) * VEC;
-  if (channel >= channels) return;  // no collectives below
-  int k = 0;
-  for (unsigned pending = starts; pending != 0u; pending &= pending - 1u, ++k) {
-    if (k % teams != (lane >> team_log2)) continue;
-    const int first = __ffs(pending) - 1;
-    const unsigned later = first == 31 ? 0u : boundaries & ~((2u << first) - 1u);
-    const int end = later != 0u ? __ffs(later) - 1 : 32;  // the next boundary in the chunk
-    const int32_t cell = chunk_keys[warp][first];
-    acc_t sum[VEC];
+  const int teams = 32 >> team_log2, team = lane >> team_log2;
+  const int channel = (lane & ((1 << team_log2) - 1)) * LANE;
+  const bool active = channel < channels;
+  constexpr int kLoadsInFlight = 4;
+  for (int j0 = team; j0 < 32; j0 += kLoadsInFlight * teams) {
+    Vec<scalar_t, LANE> staged[kLoadsInFlight];
 #pragma unroll
-    for (int v = 0; v < VEC; ++v) sum[v] = acc_t(0);
-    const auto add = [&](int32_t row, acc_t weight) {
-      acc_t go[VEC];
-      to_acc(load_vec<scalar_t, VEC>(grad_output + static_cast<int64_t>(row) * channels + channel), go);
-#pragma unroll
-      for (int v = 0; v < VEC; ++v) sum[v] = fma(weight, go[v], sum[v]);
-    };
-#pragma unroll 4
-    for (int j = first; j < end; ++j) add(chunk_rows[warp][j], chunk_weights[warp][j]);
-    if (end == 32) {
-      for (int64_t j = base + 32; j < entries && sorted_keys[j] == cell; ++j) {
-        const int32_t e = order[j];
-        add(e / entries_per_item, entry_weights[e]);
+    for (int b = 0; b < kLoadsInFlight; ++b) {
+      const int j = j0 + b * teams;
+      if (j < 32 && active && ((summed >> j) & 1u)) {
+        staged[b] = load_lane<scalar_t, LANE>(grad_output + static_cast<int64_t>(items[j]) * channels + channel);
       }
     }
-    store_vec(grad_value + static_cast<int64_t>(cell) * channels + channel, from_acc_vec<scalar_t, VEC>(sum));
+#pragma unroll
+    for (int b = 0; b < kLoadsInFlight; ++b) {
+      const int j = j0 + b * teams;
+      if (j < 32 && active && ((summed >> j) & 1u)) store_lane(rows + j * row_elements + channel, staged[b]);
+    }
+  }
+  __syncwarp();
+  if (!active) return;  // no collectives below
+  // Piece r goes to team r mod teams, all teams at once. A loop over the pieces in which one team
+  // summed while the others skipped ran them one after another: 30 us on DETR's fp16 decoder
+  // against 13 us side by side (H100, session 32, perf_notes item 71).
+  const unsigned pending = starts | (lead ? 1u : 0u);
+  const int pieces = __popc(pending);
+  for (int r = team; r < pieces; r += teams) {
+    const int first = nth_set_bit(pending, r);
+    const unsigned later = first == 31 ? 0u : boundaries & ~((2u << first) - 1u);
+    const int end = later != 0u ? __ffs(later) - 1 : 32;  // the next boundary in the chunk
+    acc_t sum[LANE];
+#pragma unroll
+    for (int v = 0; v < LANE; ++v) sum[v] = acc_t(0);
+#pragma unroll 4
+    for (int j = first; j < end; ++j) {
+      acc_t go[LANE];
+      to_acc(load_shared_lane<scalar_t, LANE>(rows + j * row_elements + channel), go);
+      const acc_t weight = weights[j];
+#pragma unroll
+      for (int v = 0; v < LANE; ++v) sum[v] = fma(weight, go[v], sum[v]);
+    }
+    const bool is_lead = first == 0 && lead;
+    if (is_lead || (trailing && first == last_start)) {
+      acc_t* partial = partials + (2 * chunk + (is_lead ? 0 : 1)) * channels + channel;
+#pragma unroll
+      for (int v = 0; v < LANE; ++v) partial[v] = sum[v];
+    } else {
+      store_lane(grad_value + static_cast<int64_t>(cells[first]) * channels + channel, from_acc_vec<scalar_t, LANE>(sum));
+    }
   }
 }
 
-// Step 2: a stable radix sort of the entries by cell over the bits the cells need (cub's sort is
-// stable: equal keys keep their input order).
+// 3b: a team per chunk with a trailing piece adds the lead partials of the chunks its cell runs
+// through, in chunk order, and writes the cell's row.
+template <typename scalar_t, int LANE>
+__global__ void __launch_bounds__(kThreads) sorted_carry_kernel(
+    const int32_t* __restrict__ trailing_cells, const acc_type<scalar_t>* __restrict__ partials,
+    const int32_t* __restrict__ chunk_flags, int64_t chunks, int channels, int team_log2, scalar_t* __restrict__ grad_value) {
+  using acc_t = acc_type<scalar_t>;
+  const int64_t chunk = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> team_log2;
+  const int channel = (threadIdx.x & ((1 << team_log2) - 1)) * LANE;
+  if (chunk >= chunks || channel >= channels || !(chunk_flags[chunk] & kTrailing)) return;
+  acc_t sum[LANE];
+  const acc_t* own = partials + (2 * chunk + 1) * channels + channel;
+#pragma unroll
+  for (int v = 0; v < LANE; ++v) sum[v] = own[v];
+  for (int64_t next = chunk + 1; next < chunks; ++next) {
+    const acc_t* lead = partials + 2 * next * channels + channel;
+#pragma unroll
+    for (int v = 0; v < LANE; ++v) sum[v] += lead[v];
+    if (chunk_flags[next] & kLeadEndsHere) break;
+  }
+  store_lane(grad_value + static_cast<int64_t>(trailing_cells[chunk]) * channels + channel, from_acc_vec<scalar_t, LANE>(sum));
+}
+
+// Step 2: a stable radix sort of the entries by pixel over the bits the pixels need (cub's sort is
+// stable: equal keys keep their input order, EntryOrder's).
 void sort_entries(const at::Tensor& keys, const at::Tensor& index, at::Tensor& sorted_keys, at::Tensor& order, int end_bit) {
   const int n = static_cast<int>(keys.numel());
   size_t temp_bytes = 0;
@@ -214,11 +410,18 @@ int64_t blocks_for(int64_t threads) { return (threads + kThreads - 1) / kThreads
 }  // namespace
 
 std::string sorted_backward_unsupported(const ProblemTensors& problem, const at::Tensor& grad_output) {
-  const int vec = vec_elements(problem, grad_output);
-  if (problem.channels > 32 * vec) {
-    return "channels per head (" + num(problem.channels) + ") exceed a warp's one vector per lane (" + num(32 * vec) + ")";
+  const int lane = lane_elements(problem, grad_output);
+  if (problem.channels > 32 * lane) {
+    return "channels per head (" + num(problem.channels) + ") exceed a warp's one vector per lane (" + num(32 * lane) + ")";
   }
-  if (problem.batch * problem.num_keys * problem.heads >= INT32_MAX) return "2^31 or more (batch, key, head) cells";
+  const int element_bytes = static_cast<int>(problem.value.element_size());
+  const int stage_bytes = chunk_stage_bytes(element_bytes, element_bytes == 8 ? 8 : 4,
+                                            lane << team_log2_for((problem.channels + lane - 1) / lane));
+  if (stage_bytes > kMaxStageBytes) {
+    return "a warp's 32 staged output-gradient rows (" + num(stage_bytes) + " bytes) exceed " + num(kMaxStageBytes) +
+           " bytes of shared memory";
+  }
+  if ((problem.num_keys + 1) * problem.batch * problem.heads >= INT32_MAX) return "2^31 or more (batch, key, head) cells";
   if (4 * problem.num_items() * problem.levels * problem.points >= INT32_MAX) return "2^31 or more sampled corners";
   return {};
 }
@@ -227,11 +430,18 @@ Gradients sorted_deterministic_backward(const ProblemTensors& problem, const at:
   const auto coordinate_grads = coordinate_gradients(problem);
   const at::Tensor& grad_locations = coordinate_grads.first;
   const at::Tensor& grad_weights = coordinate_grads.second;
-  // Untouched cells stay zero. A memset: at::zeros would also fill under torch's deterministic mode.
+  // Zeroed by the point kernel, or here (at::zeros would also fill under torch's deterministic mode).
   at::Tensor grad_value = uninitialized(problem.value.sizes(), problem.value.options());
-  C10_CUDA_CHECK(cudaMemsetAsync(grad_value.data_ptr(), 0, grad_value.nbytes(), current_stream()));
   const int64_t points = problem.num_items() * problem.levels * problem.points;
-  if (problem.empty_output() || points == 0) {
+  const int64_t zero_vectors = grad_value.nbytes() / 16;  // the rest, under 16 bytes, by a memset
+  const int64_t zero_tail = grad_value.nbytes() - 16 * zero_vectors;
+  const bool empty = problem.empty_output() || points == 0;
+  if (empty || zero_tail > 0) {
+    const int64_t from = empty ? 0 : 16 * zero_vectors;
+    C10_CUDA_CHECK(cudaMemsetAsync(static_cast<char*>(grad_value.data_ptr()) + from, 0, grad_value.nbytes() - from,
+                                   current_stream()));
+  }
+  if (empty) {
     grad_locations.zero_();
     grad_weights.zero_();
     return {grad_value, grad_locations, grad_weights};
@@ -242,40 +452,55 @@ Gradients sorted_deterministic_backward(const ProblemTensors& problem, const at:
   const at::Tensor keys = uninitialized({entries}, int_options), index = uninitialized({entries}, int_options);
   at::Tensor sorted_keys = uninitialized({entries}, int_options), order = uninitialized({entries}, int_options);
   const at::Tensor entry_weights = uninitialized({entries}, problem.value.options().dtype(acc_dtype));
-  // Invalid corners take the key one past the last cell, which sorts last and bounds the sort's bits.
-  const int32_t no_cell = static_cast<int32_t>(problem.batch * problem.num_keys * problem.heads);
+  // Invalid corners take the key one past the last pixel, which sorts last and bounds the sort's bits.
   int end_bit = 1;
-  while (end_bit < 31 && (int64_t{1} << end_bit) <= no_cell) ++end_bit;
-  const int vec = vec_elements(problem, grad_output);
-  const int team_log2 = team_log2_for((problem.channels + vec - 1) / vec);
+  while (end_bit < 31 && (int64_t{1} << end_bit) <= problem.num_keys) ++end_bit;
+  const EntryOrder entry_order = entry_order_of(problem);
+  const int lane = lane_elements(problem, grad_output);
+  const int team_log2 = team_log2_for((problem.channels + lane - 1) / lane);
   const auto stream = current_stream();
   MMDEFORM_TMA_DISPATCH_VALUE_TYPES(problem.value.scalar_type(), "mmdeform_tma sorted backward", [&] {
     using coord_t = coord_type<scalar_t>;
     using acc_t = acc_type<scalar_t>;
     const auto* go = reinterpret_cast<const scalar_t*>(grad_output.data_ptr());
     const auto launch_points = [&](auto kernel) {
-      kernel<<<blocks_for(points << team_log2), kThreads, 0, stream>>>(
+      // Enough threads that none zeroes more than 8 vectors when the points are few.
+      const int64_t blocks = std::max(blocks_for(points << team_log2), blocks_for((zero_vectors + 7) / 8));
+      kernel<<<blocks, kThreads, 0, stream>>>(
           problem.problem<scalar_t>(), go, grad_locations.data_ptr<coord_t>(), grad_weights.data_ptr<coord_t>(),
-          keys.data_ptr<int32_t>(), index.data_ptr<int32_t>(), entry_weights.data_ptr<acc_t>(), no_cell, team_log2);
+          keys.data_ptr<int32_t>(), index.data_ptr<int32_t>(), entry_weights.data_ptr<acc_t>(), entry_order, team_log2,
+          reinterpret_cast<uint4*>(grad_value.data_ptr()), zero_vectors);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     };
-    if (vec > 1) {
-      launch_points(sorted_point_gradients_kernel<scalar_t, wide_vec<scalar_t>()>);
+    if (lane > 1) {
+      launch_points(sorted_point_gradients_kernel<scalar_t, kLaneElements>);
     } else {
       launch_points(sorted_point_gradients_kernel<scalar_t, 1>);
     }
     sort_entries(keys, index, sorted_keys, order, end_bit);
-    const auto launch_sums = [&](auto kernel) {
-      kernel<<<blocks_for(entries), kThreads, 0, stream>>>(
+    const int64_t chunks = (entries + 31) / 32;
+    const at::Tensor partials = uninitialized({chunks, 2, problem.channels}, problem.value.options().dtype(acc_dtype));
+    const at::Tensor chunk_flags = uninitialized({chunks}, int_options), trailing_cells = uninitialized({chunks}, int_options);
+    const int row_elements = lane << team_log2;
+    const auto launch_sums = [&](auto chunk_kernel, auto carry_kernel) {
+      // As many warps per block as the stage allows (8 on every common shape).
+      const int stage_bytes = chunk_stage_bytes(sizeof(scalar_t), sizeof(acc_t), row_elements);
+      const int warps = std::min(kThreads / 32, kMaxStageBytes / stage_bytes);
+      chunk_kernel<<<(chunks + warps - 1) / warps, 32 * warps, warps * stage_bytes, stream>>>(
           sorted_keys.data_ptr<int32_t>(), order.data_ptr<int32_t>(), entry_weights.data_ptr<acc_t>(), entries, go,
-          static_cast<int>(problem.channels), static_cast<int>(4 * problem.levels * problem.points), no_cell, team_log2,
-          reinterpret_cast<scalar_t*>(grad_value.data_ptr()));
+          entry_order, static_cast<int>(problem.num_keys), static_cast<int>(problem.batch * problem.heads),
+          static_cast<int>(problem.channels), team_log2, partials.data_ptr<acc_t>(), chunk_flags.data_ptr<int32_t>(),
+          trailing_cells.data_ptr<int32_t>(), reinterpret_cast<scalar_t*>(grad_value.data_ptr()));
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      carry_kernel<<<blocks_for(chunks << team_log2), kThreads, 0, stream>>>(
+          trailing_cells.data_ptr<int32_t>(), partials.data_ptr<acc_t>(), chunk_flags.data_ptr<int32_t>(), chunks,
+          static_cast<int>(problem.channels), team_log2, reinterpret_cast<scalar_t*>(grad_value.data_ptr()));
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     };
-    if (vec > 1) {
-      launch_sums(sorted_cell_sums_kernel<scalar_t, wide_vec<scalar_t>()>);
+    if (lane > 1) {
+      launch_sums(sorted_chunk_sums_kernel<scalar_t, kLaneElements>, sorted_carry_kernel<scalar_t, kLaneElements>);
     } else {
-      launch_sums(sorted_cell_sums_kernel<scalar_t, 1>);
+      launch_sums(sorted_chunk_sums_kernel<scalar_t, 1>, sorted_carry_kernel<scalar_t, 1>);
     }
   });
   return {grad_value, grad_locations, grad_weights};

@@ -35,18 +35,6 @@ constexpr int kPointsPerStep = 8;  // two slots of four points
 constexpr int kMaxUnrolledSteps = 4;
 constexpr int kMaxWarps = 8;  // the configs' largest CTA (tensor_core_forward_configs)
 
-// Quotient by a divisor fixed for the launch (round-up multiplier): n < 2^31.
-struct FastDivisor {
-  uint32_t multiplier, shift;
-};
-
-FastDivisor fast_divisor(uint32_t d) {
-  uint32_t shift = 0;
-  while ((1u << shift) < d) ++shift;
-  const uint64_t multiplier = ((uint64_t{1} << 32) * ((uint64_t{1} << shift) - d)) / d + 1;
-  return {static_cast<uint32_t>(multiplier), shift};
-}
-
 struct Args {
   const char* value;
   const int64_t* spatial_shapes;
@@ -278,8 +266,8 @@ __global__ void __launch_bounds__(kMaxWarps * 32) tensor_core_forward_kernel(con
   const uint32_t key_bytes = static_cast<uint32_t>(p.heads * kChannels * sizeof(scalar_t));
   const int last = min(first + p.items_per_cta, p.num_items);
   auto item_base = [&](int item) {
-    const uint32_t bq = (__umulhi(static_cast<uint32_t>(item), p.by_heads.multiplier) + item) >> p.by_heads.shift;
-    const uint32_t b = (__umulhi(bq, p.by_queries.multiplier) + bq) >> p.by_queries.shift;
+    const uint32_t bq = p.by_heads.divide(static_cast<uint32_t>(item));
+    const uint32_t b = p.by_queries.divide(bq);
     const int head = item - static_cast<int>(bq) * p.heads;
     return reinterpret_cast<uint64_t>(p.value) +
            static_cast<uint64_t>((static_cast<int64_t>(b) * p.num_keys * p.heads + head) * (kChannels * sizeof(scalar_t))) +
