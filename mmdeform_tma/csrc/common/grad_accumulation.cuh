@@ -138,10 +138,10 @@ enum class GradValueLayout { kDense, kTouchedCells, kSorted };
 
 // The sorted deterministic backward runs on cross-attention (fewer queries than keys) where a
 // (batch, head) has at most this many corners per key: DETR's decoder has 0.95, DINO's 2.85. On an
-// H100 (2026-11-26, the sorted path's two forms before the committed cell sums; perf_notes item 70)
-// sorting won at every density measured, 0.95-38 (38: 2.42 against 4.22 ms), and lost on the
-// encoder (64: 4.11 against the windowed fixed-point MMA kernel's 1.78), whose windows sum
-// neighbouring queries; encoders are also excluded by their query count.
+// H100 (2026-11-26, 1e6b27a; perf_notes item 71) sorting was 3.5-3.8x faster than fixed point from
+// 8.6 to 43 corners per key (43: 1.27 against 4.75 ms) and 4 % slower on the encoder (64: 1.87
+// against the windowed fixed-point MMA kernel's 1.79), whose windows sum neighbouring queries;
+// encoders are also excluded by their query count. Cross-attention between 43 and 64 is unmeasured.
 constexpr int64_t kSortedCornersPerKey = 40;
 
 // The layout for this problem. MMDEFORM_TMA_GRAD_VALUE_LAYOUT=dense|touched|sorted forces one (for

@@ -3,8 +3,8 @@
 // The fixed-point sink (grad_accumulation.cuh) makes every addition an int64 atomic and ends in a
 // pass over the whole accumulator: on the fp16 DETR decoder it ran at 3.8x the fast backward, on
 // DINO's at 3.9x (H100, 2026-11-26; perf_notes item 70). Where a (batch, head) has few corners per
-// key, sorting them is cheaper (1.2-1.4x the fast backward in fp16/bf16, 1.6-1.8x in fp32, on
-// those decoders; H100, session 32, perf_notes item 71):
+// key, sorting them is cheaper (1.15-1.4x the fast backward in fp16/bf16, 1.5-1.8x in fp32, on
+// those decoders; H100, 2026-11-26, 1e6b27a, perf_notes item 71):
 //   1. a team of lanes per sampling point zeroes its share of grad_value, writes its location and
 //      attention gradients (as every backward kernel does) and, for each of its four corners, an
 //      entry: the corner's pixel and its weight attention x bilinear. The entries are laid out a
