@@ -30,13 +30,14 @@ constexpr int piece_elements() {
   return N < 16 / static_cast<int>(sizeof(scalar_t)) ? N : 16 / static_cast<int>(sizeof(scalar_t));
 }
 
-template <typename scalar_t, int N>
-__device__ __forceinline__ Vec<scalar_t, N> load_lane(const scalar_t* ptr) {
+// A lane's N elements, each 16-byte piece read by read_piece (from global or shared memory).
+template <typename scalar_t, int N, typename ReadPiece>
+__device__ __forceinline__ Vec<scalar_t, N> load_in_pieces(const scalar_t* ptr, ReadPiece read_piece) {
   constexpr int kPiece = piece_elements<scalar_t, N>();
   Vec<scalar_t, N> out;
 #pragma unroll
   for (int i = 0; i < N; i += kPiece) {
-    const Vec<scalar_t, kPiece> piece = load_vec<scalar_t, kPiece>(ptr + i);
+    const Vec<scalar_t, kPiece> piece = read_piece(ptr + i);
 #pragma unroll
     for (int k = 0; k < kPiece; ++k) out.v[i + k] = piece.v[k];
   }
@@ -44,16 +45,14 @@ __device__ __forceinline__ Vec<scalar_t, N> load_lane(const scalar_t* ptr) {
 }
 
 template <typename scalar_t, int N>
+__device__ __forceinline__ Vec<scalar_t, N> load_lane(const scalar_t* ptr) {
+  return load_in_pieces<scalar_t, N>(ptr, [](const scalar_t* at) { return load_vec<scalar_t, piece_elements<scalar_t, N>()>(at); });
+}
+
+template <typename scalar_t, int N>
 __device__ __forceinline__ Vec<scalar_t, N> load_shared_lane(const scalar_t* ptr) {
-  constexpr int kPiece = piece_elements<scalar_t, N>();
-  Vec<scalar_t, N> out;
-#pragma unroll
-  for (int i = 0; i < N; i += kPiece) {
-    const Vec<scalar_t, kPiece> piece = load_shared_vec<scalar_t, kPiece>(ptr + i);
-#pragma unroll
-    for (int k = 0; k < kPiece; ++k) out.v[i + k] = piece.v[k];
-  }
-  return out;
+  return load_in_pieces<scalar_t, N>(
+      ptr, [](const scalar_t* at) { return load_shared_vec<scalar_t, piece_elements<scalar_t, N>()>(at); });
 }
 
 template <typename scalar_t, int N>
