@@ -696,8 +696,10 @@ def test_sorted_deterministic_backward_against_float64(monkeypatch, backend, dty
 def test_auto_sorts_the_deterministic_backward_of_sparse_problems_only(monkeypatch, backend):
     """`auto` sorts the deterministic backward of a decoder (0.08 corners per key), bitwise the
     forced sorted result and not the fixed-point one, and keeps fixed point for an encoder (as many
-    queries as keys)."""
-    for case, expected, other in ((SPARSE_DECODER, "sorted", "dense"), (CASES[9], "dense", "sorted")):
+    queries as keys) and for cross-attention past 64 corners per key (5 levels x 8 points)."""
+    dense_cross = ("dense_cross_attention", [(16, 16), (8, 8), (4, 4), (2, 2), (1, 1)], 1, 300, 2, 32, 8, "local")
+    cases = ((SPARSE_DECODER, "sorted", "dense"), (CASES[9], "dense", "sorted"), (dense_cross, "dense", "sorted"))
+    for case, expected, other in cases:
         problem = cuda_problem(case, torch.float32, seed=47)
         skip_unless_supported(backend, validate(*problem.args()))
         grad_output = torch.randn(*problem.sampling_locations.shape[:2], problem.value.shape[2] * problem.value.shape[3], device="cuda")

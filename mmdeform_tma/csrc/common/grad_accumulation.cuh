@@ -137,12 +137,13 @@ struct FixedPointSink {
 enum class GradValueLayout { kDense, kTouchedCells, kSorted };
 
 // The sorted deterministic backward runs on cross-attention (fewer queries than keys) where a
-// (batch, head) has at most this many corners per key: DETR's decoder has 0.95, DINO's 2.85. On an
-// H100 (2026-11-26, 1e6b27a; perf_notes item 71) sorting was 3.5-3.8x faster than fixed point from
-// 8.6 to 43 corners per key (43: 1.27 against 4.75 ms) and 4 % slower on the encoder (64: 1.87
+// (batch, head) has at most this many corners per key: DETR's decoder has 0.95, DINO's 2.85, and
+// with 4 levels x 4 points every cross-attention has fewer than 64. On an H100 (2026-11-26,
+// ca5016c / 1e6b27a; perf_notes item 71) sorting was 3.5-3.8x faster than fixed point from 8.6 to
+// 63 corners per key (63: 1.86 against 6.98 ms in fp16) and 4 % slower on the encoder (64: 1.87
 // against the windowed fixed-point MMA kernel's 1.79), whose windows sum neighbouring queries;
-// encoders are also excluded by their query count. Cross-attention between 43 and 64 is unmeasured.
-constexpr int64_t kSortedCornersPerKey = 40;
+// encoders are also excluded by their query count. Denser cross-attention is unmeasured.
+constexpr int64_t kSortedCornersPerKey = 64;
 
 // The layout for this problem. MMDEFORM_TMA_GRAD_VALUE_LAYOUT=dense|touched|sorted forces one (for
 // measurements; forcing one where it cannot run raises with the reason; `sorted` applies to the
