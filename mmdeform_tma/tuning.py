@@ -9,16 +9,16 @@ the GPU's name and compute capability. Here:
     heuristic).
 Both answer for shapes the table lacks from the nearest measured shape (`distance`), never from a
 fixed order. Under `torch.use_deterministic_algorithms(True)` the backward runs fixed-point sums
-(or, on decoders, sorted contributions that no config changes) whose fastest variants differ (the gather configs: 2.2 ms where the fast path's config takes 7.1
-on the fp16 DETR encoder; H100, 2026-11-23, commit 56e4c52): that direction,
-`backward-deterministic`, is tuned apart, and where nothing of it was measured the fast
-backward's choices stand. A measurement counts only through configs this build compiles: one
-whose configs are all gone was of kernels since replaced, and is ignored until the table is tuned
-again. A GPU without a table of its own uses the tables of GPUs of its compute capability (an
-H200 reads the H100's); a fixed order remains only where nothing of its architecture was
-measured. `MMDEFORM_TMA_TUNING_TABLE=/path/table.json` adds a table of your own (it wins on
-equal keys). Lookups are cached and `assume_constant_result`: torch.compile resolves them once while
-tracing; eager calls make them once per call signature (`mmdeform_tma.functional`).
+(or, on cross-attention, sorted contributions that no config changes) whose fastest variants differ
+(the gather configs: 2.2 ms where the fast path's config takes 7.1 on the fp16 DETR encoder; H100,
+2026-11-23, commit 56e4c52): that direction, `backward-deterministic`, is tuned apart, and where
+nothing of it was measured the fast backward's choices stand. A measurement counts only through
+configs this build compiles: one whose configs are all gone was of kernels since replaced, and is
+ignored until the table is tuned again. A GPU without a table of its own uses the tables of GPUs of
+its compute capability (an H200 reads the H100's); a fixed order remains only where nothing of its
+architecture was measured. `MMDEFORM_TMA_TUNING_TABLE=/path/table.json` adds a table of your own (it
+wins on equal keys). Lookups are cached and `assume_constant_result`: torch.compile resolves them
+once while tracing; eager calls make them once per call signature (`mmdeform_tma.functional`).
 """
 
 from __future__ import annotations

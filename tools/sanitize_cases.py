@@ -5,10 +5,10 @@
     compute-sanitizer --tool synccheck python tools/sanitize_cases.py
 
 Covers every dtype, the fast and the deterministic backward (its sorted value gradient, which
-`auto` takes for these small cross-attention cases, and fixed point), partial tiles and points outside the
-levels, and for tma_ws every compiled variant with windows (TMA windows, and the MMA backward's
-accumulation windows) on encoder problems (one query per pixel: pixel-block tiles; sampled
-locally, and uniformly over a level larger than four windows) and a decoder one, and the
+`auto` takes for these small cross-attention cases, and fixed point), partial tiles and points
+outside the levels, and for tma_ws every compiled variant with windows (TMA windows, and the MMA
+backward's accumulation windows) on encoder problems (one query per pixel: pixel-block tiles;
+sampled locally, and uniformly over a level larger than four windows) and a decoder one, and the
 tensor-core gather forward configs. Prints one line per case; any error the tool finds is reported
 by compute-sanitizer itself.
 """

@@ -16,9 +16,9 @@ class CompiledKernelBackend(Backend):
 
     Autograd is the op's own (C++): the call carries the backward's backend and config, so the
     backward needs no lookup. Under torch.use_deterministic_algorithms(True), read when the
-    backward runs, it takes the deterministic path (sorted contributions on decoders, fixed point
-    elsewhere); the config is then the deterministic backward's tuned one (the flag is part of a call's plan key, `dispatch.signature`). Non-contiguous inputs
-    are copied by the op.
+    backward runs, it takes the deterministic path (sorted contributions on cross-attention, fixed
+    point elsewhere); the config is then the deterministic backward's tuned one (the flag is part
+    of a call's plan key, `dispatch.signature`). Non-contiguous inputs are copied by the op.
     """
 
     devices = frozenset({"cuda"})

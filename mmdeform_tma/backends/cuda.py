@@ -3,7 +3,7 @@
 Any batch, heads, levels, points and channels up to 256; 16-byte vector paths whenever
 channels x element size is a multiple of 16 bytes. The backward accumulates grad_value with fp32
 vector atomics, or, under torch.use_deterministic_algorithms(True), in 64-bit fixed point (or, on
-decoders, by sorting its contributions by cell: `csrc/common/sorted_value_gradient.h`).
+cross-attention, by sorting its contributions by pixel: `csrc/common/sorted_value_gradient.h`).
 """
 
 from .compiled import CompiledKernelBackend
