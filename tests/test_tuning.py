@@ -194,6 +194,38 @@ def test_the_package_tables_declare_their_gpus_capability():
         tuning.clear_caches()
 
 
+H100 = "NVIDIA H100 80GB HBM3"
+
+
+@pytest.fixture
+def h100_table(monkeypatch):
+    """The package's H100 table alone, with every config it names compiled (CI's build may have none)."""
+    monkeypatch.delenv("MMDEFORM_TMA_TUNING_TABLE", raising=False)
+    names = compiled_names(json.loads((tuning.TABLE_DIR / "nvidia_h100_80gb_hbm3.json").read_text())["entries"])
+    monkeypatch.setattr(_extension, "_kernel_configs", lambda backend, direction: names.get((backend, direction), ()))
+    dispatch.clear_caches()
+    yield
+    dispatch.clear_caches()
+
+
+@pytest.mark.parametrize(
+    ("dtype", "batch", "queries", "direction", "expected"),
+    [
+        # sweep s10: before its own (backward-only) entry, the nearest bucket was DINO's bs 2 x 900,
+        # where cuda is 2 % ahead; at bs 8 x 300 tma_ws is 8 % (H100) to 12 % (H200) ahead.
+        (torch.float32, 8, 300, "backward", "tma_ws"),
+        (torch.float32, 2, 900, "backward", "cuda"),
+        # the entry is a backward one: s10's forward and s40 (fp16, bs 4 x 2000) keep their neighbours,
+        # which a bs 8 entry of every dtype and direction had moved (perf_notes item 60)
+        (torch.float32, 8, 300, "forward", "tma_ws"),
+        (torch.float16, 4, 2000, "forward", "tma_ws"),
+    ],
+)
+def test_the_h100_table_answers_the_decoder_sweep_shapes(h100_table, dtype, batch, queries, direction, expected):
+    key = tuning.shape_key(dtype, 8, 32, 4, 4, batch * queries)
+    assert fastest(key, direction, ("cuda", "tma_ws"), gpu=H100, capability=(9, 0)) == expected
+
+
 def test_a_wrong_table_format_is_refused(tmp_path, monkeypatch):
     path = tmp_path / "old.json"
     path.write_text(json.dumps({"format": 0, "device": GPU, "entries": []}))
