@@ -692,6 +692,51 @@ def test_sorted_deterministic_backward_against_float64(monkeypatch, backend, dty
         assert torch.equal(a, b)
 
 
+def cuda_kernel_names(fn) -> set[str]:
+    """The CUDA kernels that fn() launched, by name."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return {e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA}
+
+
+# A sparse decoder over large levels: 30,720 keys x 8 heads, 0.02 corners per key. At bs 3 it has
+# 737 K (batch, key, head) cells, past the 2^19 from which the fast half-precision backward sorts
+# too; at bs 2, 492 K, short of it.
+LARGE_SPARSE_DECODER = ("large_sparse_decoder", [(128, 192), (64, 96)], 3, 40, 8, 32, 2, "local")
+
+
+@pytest.mark.parametrize("backend", COMPILED_BACKENDS)
+def test_fast_half_precision_backward_sorts_large_sparse_problems(monkeypatch, backend):
+    """`auto` gives the fast backward the sorted layout where half-precision values are sparse and
+    have at least 2^19 cells (the kernels that ran say which layout it took); its gradients match
+    float64 and the deterministic backward's bit for bit. One batch fewer, or fp32 values, keep
+    the touched cells."""
+    problem = cuda_problem(LARGE_SPARSE_DECODER, torch.float16, seed=59)
+    skip_unless_supported(backend, validate(*problem.args()))
+    _, grad_output, exact_grads, geometry32 = float64_answers(problem, torch.float16)
+    grads = None
+
+    def fast_backward(p, go):
+        nonlocal grads
+        grads = backward_with_layout(monkeypatch, "auto", p, go, backend, False)
+
+    names = cuda_kernel_names(lambda: fast_backward(problem, grad_output))
+    assert any("sorted_chunk_sums_kernel" in n for n in names), sorted(names)
+    assert not any("touched" in n for n in names), sorted(names)
+    for i, (what, got, want) in enumerate(zip(GRADIENT_NAMES, grads, exact_grads)):
+        check(got, want, f"fast sorted {what}", geometry32[i] if i > 0 else None)
+    deterministic = backward_with_layout(monkeypatch, "auto", problem, grad_output, backend, True)
+    assert all(torch.equal(a, b) for a, b in zip(grads, deterministic))
+
+    smaller = cuda_problem(LARGE_SPARSE_DECODER[:2] + (2,) + LARGE_SPARSE_DECODER[3:], torch.float16, seed=59)
+    names = cuda_kernel_names(lambda: fast_backward(smaller, grad_output[:2]))
+    assert not any("sorted_" in n for n in names) and any("touched" in n for n in names), sorted(names)
+    wide = cuda_problem(LARGE_SPARSE_DECODER, torch.float32, seed=59)
+    names = cuda_kernel_names(lambda: fast_backward(wide, grad_output.float()))
+    assert not any("sorted_" in n for n in names), sorted(names)
+
+
 @pytest.mark.parametrize("backend", COMPILED_BACKENDS)
 def test_auto_sorts_the_deterministic_backward_of_sparse_problems_only(monkeypatch, backend):
     """`auto` sorts the deterministic backward of a decoder (0.08 corners per key), bitwise the

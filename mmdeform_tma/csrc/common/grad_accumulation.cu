@@ -199,13 +199,20 @@ GradValueLayout grad_value_layout(const ProblemTensors& problem, const at::Tenso
   if (forced != nullptr && std::strcmp(forced, "dense") == 0) return GradValueLayout::kDense;
   const int64_t corners_per_batch_head = 4 * problem.queries * problem.levels * problem.points;
   const bool forced_sorted = forced != nullptr && std::strcmp(forced, "sorted") == 0;
-  if (deterministic) {
+  const bool auto_choice = forced == nullptr || forced[0] == '\0' || std::strcmp(forced, "auto") == 0;
+  const bool cross_attention = problem.queries < problem.num_keys;
+  // Half-precision values, sparse: the fast backward's touched cells pay the marking, the zeroing
+  // of the touched fp32 rows and the final pass over every cell; the sorted backward's sort costs
+  // mostly latency, which a large problem hides (perf_notes item 78).
+  const bool sorted_pays_in_fast = problem.value.element_size() == 2 && cross_attention &&
+                                   corners_per_batch_head <= problem.num_keys &&
+                                   problem.batch * problem.num_keys * problem.heads >= kSortedFastCells;
+  if (deterministic || (auto_choice && sorted_pays_in_fast)) {
     const std::string why = sorted_backward_unsupported(problem, grad_output);
-    TORCH_CHECK(!forced_sorted || why.empty(), "MMDEFORM_TMA_GRAD_VALUE_LAYOUT=sorted: ", why);
-    const bool auto_choice = forced == nullptr || forced[0] == '\0' || std::strcmp(forced, "auto") == 0;
-    const bool cross_attention = problem.queries < problem.num_keys;
-    if (forced_sorted ||
-        (auto_choice && why.empty() && cross_attention && corners_per_batch_head <= kSortedCornersPerKey * problem.num_keys)) {
+    TORCH_CHECK(!deterministic || !forced_sorted || why.empty(), "MMDEFORM_TMA_GRAD_VALUE_LAYOUT=sorted: ", why);
+    if (!deterministic && why.empty()) return GradValueLayout::kSorted;
+    if (deterministic && (forced_sorted || (auto_choice && why.empty() && cross_attention &&
+                                            corners_per_batch_head <= kSortedCornersPerKey * problem.num_keys))) {
       return GradValueLayout::kSorted;
     }
   }

@@ -145,13 +145,22 @@ enum class GradValueLayout { kDense, kTouchedCells, kSorted };
 // encoders are also excluded by their query count. Denser cross-attention is unmeasured.
 constexpr int64_t kSortedCornersPerKey = 64;
 
+// The fast backward of half-precision values takes the sorted path too when the problem is sparse
+// (at most one corner per key of a (batch, head)) and has at least this many (batch, key, head)
+// cells. On an H100 (2026-11-26, a64c58e; perf_notes item 78), DETR's decoder (0.95 corners per key)
+// in fp16: sorted over fast 1.06 at bs 3 (485 K cells), 0.94 at bs 4 (646 K), 0.81 at bs 8, 0.76
+// at bs 16; 900 queries over DINO's five levels (0.81 corners per key) 0.93 at bs 2 (1.4 M cells);
+// 100 queries at bs 8 0.87. Denser decoders (DINO's four levels, 2.85 corners per key) tie at bs 4
+// and 8, and fp32 never pays (1.19-1.87).
+constexpr int64_t kSortedFastCells = int64_t{1} << 19;
+
 // The layout for this problem. MMDEFORM_TMA_GRAD_VALUE_LAYOUT=dense|touched|sorted forces one (for
 // measurements; forcing one where it cannot run raises with the reason; `sorted` applies to the
 // deterministic backward, the fast one keeps its automatic layout). Unset or `auto`: sorted for
-// the deterministic backward as kSortedCornersPerKey says; otherwise touched cells for
-// half-precision values when a (batch, head)'s corners are at most its keys
-// (4 x queries x levels x points <= num_keys), and for the deterministic backward when they are at
-// most four times its keys.
+// the deterministic backward as kSortedCornersPerKey says, and for the fast backward of sparse
+// half-precision problems as kSortedFastCells says; otherwise touched cells for half-precision
+// values when a (batch, head)'s corners are at most its keys (4 x queries x levels x points <=
+// num_keys), and for the deterministic backward when they are at most four times its keys.
 GradValueLayout grad_value_layout(const ProblemTensors& problem, const at::Tensor& grad_output, bool deterministic);
 
 // Host side of the value gradient: allocation, the marking of touched cells, the fixed-point
@@ -204,10 +213,7 @@ using ScalarOf = std::remove_const_t<std::remove_pointer_t<Pointer>>;
 template <typename Launch>
 Gradients run_backward(const ProblemTensors& problem, const at::Tensor& grad_output, bool deterministic,
                        GradValueLayout layout, const char* what, Launch&& launch) {
-  if (layout == GradValueLayout::kSorted) {
-    TORCH_CHECK(deterministic, what, ": the sorted value gradient is the deterministic backward's");
-    return sorted_deterministic_backward(problem, grad_output);
-  }
+  if (layout == GradValueLayout::kSorted) return sorted_deterministic_backward(problem, grad_output);
   const auto coordinate_grads = coordinate_gradients(problem);
   const at::Tensor& grad_locations = coordinate_grads.first;
   const at::Tensor& grad_weights = coordinate_grads.second;

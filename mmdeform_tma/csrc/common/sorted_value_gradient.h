@@ -1,4 +1,6 @@
-// The deterministic backward for sparse sampling (decoders), shared by the compiled backends.
+// The deterministic backward for sparse sampling (decoders), shared by the compiled backends. Large
+// sparse half-precision problems take it for the fast backward too (kSortedFastCells in
+// grad_accumulation.cuh): its result is deterministic all the same.
 //
 // The fixed-point sink (grad_accumulation.cuh) makes every addition an int64 atomic and ends in a
 // pass over the whole accumulator: on the fp16 DETR decoder it ran at 3.8x the fast backward, on
