@@ -700,18 +700,19 @@ def cuda_kernel_names(fn) -> set[str]:
     return {e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA}
 
 
-# A sparse decoder over large levels: 30,720 keys x 8 heads, 0.02 corners per key. At bs 3 it has
-# 737 K (batch, key, head) cells, past the 2^19 from which the fast half-precision backward sorts
-# too; at bs 2, 492 K, short of it.
-LARGE_SPARSE_DECODER = ("large_sparse_decoder", [(128, 192), (64, 96)], 3, 40, 8, 32, 2, "local")
+# A sparse decoder over large levels: 30,720 keys x 8 heads, 0.02 corners per key. At bs 5 it has
+# 1.23 M (batch, key, head) cells, past the 2^20 from which the fast half-precision backward sorts
+# too; at bs 4, 983 K, short of it. WIDE_SPARSE_DECODER has enough cells, but 2^16 keys.
+LARGE_SPARSE_DECODER = ("large_sparse_decoder", [(128, 192), (64, 96)], 5, 40, 8, 32, 2, "local")
+WIDE_SPARSE_DECODER = ("wide_sparse_decoder", [(256, 256)], 2, 40, 8, 32, 2, "local")
 
 
 @pytest.mark.parametrize("backend", COMPILED_BACKENDS)
 def test_fast_half_precision_backward_sorts_large_sparse_problems(monkeypatch, backend):
-    """`auto` gives the fast backward the sorted layout where half-precision values are sparse and
-    have at least 2^19 cells (the kernels that ran say which layout it took); its gradients match
-    float64 and the deterministic backward's bit for bit. One batch fewer, or fp32 values, keep
-    the touched cells."""
+    """`auto` gives the fast backward the sorted layout where half-precision values are sparse, have
+    at least 2^20 cells and fewer than 2^16 keys (the kernels that ran say which layout it took);
+    its gradients match float64 and the deterministic backward's bit for bit. One batch fewer,
+    2^16 keys, or fp32 values keep the touched cells (fp32: the dense accumulator)."""
     problem = cuda_problem(LARGE_SPARSE_DECODER, torch.float16, seed=59)
     skip_unless_supported(backend, validate(*problem.args()))
     _, grad_output, exact_grads, geometry32 = float64_answers(problem, torch.float16)
@@ -729,8 +730,11 @@ def test_fast_half_precision_backward_sorts_large_sparse_problems(monkeypatch, b
     deterministic = backward_with_layout(monkeypatch, "auto", problem, grad_output, backend, True)
     assert all(torch.equal(a, b) for a, b in zip(grads, deterministic))
 
-    smaller = cuda_problem(LARGE_SPARSE_DECODER[:2] + (2,) + LARGE_SPARSE_DECODER[3:], torch.float16, seed=59)
-    names = cuda_kernel_names(lambda: fast_backward(smaller, grad_output[:2]))
+    smaller = cuda_problem(LARGE_SPARSE_DECODER[:2] + (4,) + LARGE_SPARSE_DECODER[3:], torch.float16, seed=59)
+    names = cuda_kernel_names(lambda: fast_backward(smaller, grad_output[:4]))
+    assert not any("sorted_" in n for n in names) and any("touched" in n for n in names), sorted(names)
+    wide_keys = cuda_problem(WIDE_SPARSE_DECODER, torch.float16, seed=59)
+    names = cuda_kernel_names(lambda: fast_backward(wide_keys, grad_output[:2]))
     assert not any("sorted_" in n for n in names) and any("touched" in n for n in names), sorted(names)
     wide = cuda_problem(LARGE_SPARSE_DECODER, torch.float32, seed=59)
     names = cuda_kernel_names(lambda: fast_backward(wide, grad_output.float()))

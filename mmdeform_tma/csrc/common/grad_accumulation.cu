@@ -205,7 +205,7 @@ GradValueLayout grad_value_layout(const ProblemTensors& problem, const at::Tenso
   // of the touched fp32 rows and the final pass over every cell; the sorted backward's sort costs
   // mostly latency, which a large problem hides (perf_notes item 78).
   const bool sorted_pays_in_fast = problem.value.element_size() == 2 && cross_attention &&
-                                   corners_per_batch_head <= problem.num_keys &&
+                                   corners_per_batch_head <= problem.num_keys && problem.num_keys < kSortedFastKeys &&
                                    problem.batch * problem.num_keys * problem.heads >= kSortedFastCells;
   if (deterministic || (auto_choice && sorted_pays_in_fast)) {
     const std::string why = sorted_backward_unsupported(problem, grad_output);
