@@ -723,6 +723,8 @@ def test_fast_half_precision_backward_sorts_large_sparse_problems(monkeypatch, b
         grads = backward_with_layout(monkeypatch, "auto", p, go, backend, False)
 
     names = cuda_kernel_names(lambda: fast_backward(problem, grad_output))
+    if not names:  # the backward always launches kernels: the profiler cannot see them
+        pytest.skip("the CUDA profiler recorded no kernels (CUPTI unavailable, e.g. under compute-sanitizer)")
     assert any("sorted_chunk_sums_kernel" in n for n in names), sorted(names)
     assert not any("touched" in n for n in names), sorted(names)
     for i, (what, got, want) in enumerate(zip(GRADIENT_NAMES, grads, exact_grads)):
