@@ -201,20 +201,20 @@ GradValueLayout grad_value_layout(const ProblemTensors& problem, const at::Tenso
   const bool forced_sorted = forced != nullptr && std::strcmp(forced, "sorted") == 0;
   const bool auto_choice = forced == nullptr || forced[0] == '\0' || std::strcmp(forced, "auto") == 0;
   const bool cross_attention = problem.queries < problem.num_keys;
-  // Half-precision values, sparse: the fast backward's touched cells pay the marking, the zeroing
-  // of the touched fp32 rows and the final pass over every cell; the sorted backward's sort costs
-  // mostly latency, which a large problem hides (perf_notes item 78).
-  const bool sorted_pays_in_fast = problem.value.element_size() == 2 && cross_attention &&
-                                   corners_per_batch_head <= problem.num_keys && problem.num_keys < kSortedFastKeys &&
-                                   problem.batch * problem.num_keys * problem.heads >= kSortedFastCells;
-  if (deterministic || (auto_choice && sorted_pays_in_fast)) {
+  if (deterministic) {
     const std::string why = sorted_backward_unsupported(problem, grad_output);
-    TORCH_CHECK(!deterministic || !forced_sorted || why.empty(), "MMDEFORM_TMA_GRAD_VALUE_LAYOUT=sorted: ", why);
-    if (!deterministic && why.empty()) return GradValueLayout::kSorted;
-    if (deterministic && (forced_sorted || (auto_choice && why.empty() && cross_attention &&
-                                            corners_per_batch_head <= kSortedCornersPerKey * problem.num_keys))) {
+    TORCH_CHECK(!forced_sorted || why.empty(), "MMDEFORM_TMA_GRAD_VALUE_LAYOUT=sorted: ", why);
+    if (forced_sorted ||
+        (auto_choice && why.empty() && cross_attention && corners_per_batch_head <= kSortedCornersPerKey * problem.num_keys)) {
       return GradValueLayout::kSorted;
     }
+  } else if (auto_choice && problem.value.element_size() == 2 && cross_attention &&
+             corners_per_batch_head <= problem.num_keys && problem.num_keys < kSortedFastKeys &&
+             problem.batch * problem.num_keys * problem.heads >= kSortedFastCells &&
+             sorted_backward_unsupported(problem, grad_output).empty()) {
+    // Sparse half-precision values: the touched cells' marking, zeroing and final pass cost more
+    // than the sort, whose cost is mostly latency, on large problems (perf_notes item 78).
+    return GradValueLayout::kSorted;
   }
   if (forced_sorted) forced = nullptr;  // the fast backward's automatic layout
   const std::string unsupported = touched_cells_unsupported(problem);

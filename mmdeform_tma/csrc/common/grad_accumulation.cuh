@@ -147,14 +147,14 @@ constexpr int64_t kSortedCornersPerKey = 64;
 
 // The fast backward of half-precision values takes the sorted path too when the problem is sparse
 // (at most one corner per key of a (batch, head)), has at least kSortedFastCells (batch, key, head)
-// cells, and fewer than kSortedFastKeys keys: with the invalid key, 16 bits, two radix passes; the
-// five-level decoder below needs 17 bits and a third pass, and gains least. Measured (2026-11-26,
-// a64c58e against 9346d40; perf_notes item 78), `tma_ws`, sorted over touched cells, fp16 / bf16:
-//   DETR's decoder (300 queries, 0.95 corners per key), H100: bs 3 (485 K cells) 1.00 / 1.00,
+// cells, and fewer than kSortedFastKeys keys: with the invalid key, 16 bits, two radix passes (the
+// five-level decoder below needs 17 bits and a third pass, and gains least). Sorted over touched
+// cells, `tma_ws`, fp16 / bf16 (2026-11-26; perf_notes item 78, measurements/ab_sorted_fast_backward_s35.md):
+//   DETR's decoder (300 queries, 0.95 corners per key), H100: bs 3 (485 K cells) 1.06 / 1.02,
 //   bs 4 (646 K) 0.94 / 0.90, bs 8 (1.29 M) 0.80 / 0.76, bs 16 0.75 / 0.71; H200: bs 4 1.07 / 1.04,
 //   bs 8 0.92 / 0.87, bs 16 0.87 / 0.82. 100 queries at bs 8: H100 0.84 / 0.82, H200 0.93 / 0.89.
-//   900 queries over DINO's five levels (89,023 keys, 17 bits) at bs 2: H100 0.91 / 0.87, H200
-//   1.05 / 1.01.
+//   900 queries over DINO's five levels (89,023 keys) at bs 2: H100 0.91 / 0.87, H200 1.05 / 1.01.
+//   In the sweeps, 2 points at bs 4 (646 K cells) and 8 points at bs 1 (712 K) lost 10-26 %.
 // The H200's bandwidth favours the touched cells' passes, hence 2^20 cells, where both GPUs gain.
 // Denser decoders (DINO's four levels, 2.85 corners per key) tie at bs 4 and 8; fp32 never pays.
 constexpr int64_t kSortedFastCells = int64_t{1} << 20;
