@@ -50,7 +50,7 @@ STALLS = [
     "sleeping", "misc",
 ]
 STALL_METRICS = [f"smsp__average_warps_issue_stalled_{s}_per_issue_active.ratio" for s in STALLS]
-KERNELS = "regex:forward_kernel|forward_lean_kernel|backward_kernel|tma_kernel|tma_ws_kernel|ms_deformable"
+KERNELS = "regex:forward_kernel|forward_lean_kernel|backward_kernel|spread_team_kernel|tma_kernel|tma_ws_kernel|ms_deformable"
 
 
 def child(args) -> None:

@@ -36,8 +36,8 @@ def window_variants(dtype: torch.dtype) -> None:
     """tma_ws's windowed and MMA variants, called through the ops with their config index."""
     encoder = [(9, 13), (5, 7), (3, 4)]
     # One query per key sampled uniformly over a level larger than four of the MMA's 16 x 16 windows:
-    # stages without a window (every point direct) beside windowed ones, and the fast fp16/bf16
-    # 32-channel MMA kernels' CTAs handing their tiles to the plain kernel (their first stage spreads).
+    # stages without a window (every point direct) beside windowed ones, and the fast 32-channel MMA
+    # kernels' CTAs handing their tiles to the spread fallback (their first stage spreads).
     spread = [(40, 48), (20, 24)]
     cases = (("encoder", encoder, num_keys(encoder)), ("local", encoder, 40), ("uniform", spread, num_keys(spread)))
     for locality, levels, queries in cases:

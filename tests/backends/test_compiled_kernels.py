@@ -482,11 +482,11 @@ def spread_encoder_problem(dtype, uniform_heads: str):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("uniform_heads", ["none", "all", "alternate"])
 def test_tma_ws_spread_fallback_against_float64(uniform_heads, dtype):
-    """The fast fp16/bf16 32-channel MMA backward leaves each CTA whose first stage's points spread
-    to a plain kernel over the same tiles: with every CTA clustered (the MMA kernel alone), every CTA
-    spread (the plain kernel alone) and the two mixed in one call, against float64, for every MMA
-    config and the default. A tile done by both kernels or by neither would show in grad_value.
-    fp32 runs its MMA kernel alone, windowless where the sampling spreads."""
+    """The fast 32-channel MMA backward leaves each CTA whose first stage's points spread to a
+    fallback over the same tiles (fp16/bf16: the plain kernel; fp32: the portable kernel's teams,
+    hopper/spread_fallback.cuh): with every CTA clustered (the MMA kernel alone), every CTA spread
+    (the fallback alone) and the two mixed in one call, against float64, for every MMA config and
+    the default. A tile done by both kernels or by neither would show in grad_value."""
     problem = spread_encoder_problem(dtype, uniform_heads)
     skip_unless_supported("tma_ws", validate(*problem.args()))
     answers = float64_answers(problem, dtype)
@@ -495,10 +495,47 @@ def test_tma_ws_spread_fallback_against_float64(uniform_heads, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("uniform_heads", ["all", "alternate"])
+def test_tma_ws_spread_fallback_in_cuda_graph_replays(uniform_heads, dtype):
+    """The spread fallback inside a CUDA graph: replayed twice over NaN-filled outputs, it gives the
+    eager location and weight gradients bit for bit and the value gradient up to the order of its
+    fp32 atomics. fp32's fallback takes its runs of items from a counter that the MMA kernel zeroes
+    on every launch, so a replay that found it spent would leave gradients missing."""
+    problem = spread_encoder_problem(dtype, uniform_heads)
+    skip_unless_supported("tma_ws", validate(*problem.args()))
+    grad_output = torch.randn(problem.value.shape[0], problem.sampling_locations.shape[1],
+                              problem.value.shape[2] * problem.value.shape[3], device="cuda", dtype=dtype)
+    args = problem.args()
+
+    def backward():
+        return torch.ops.mmdeform_tma.ms_deform_attn_backward(grad_output, *args, "tma_ws", -1, False)
+
+    eager = backward()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        backward()  # warm-up on the capture stream
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = backward()
+    for _ in range(2):
+        for t in captured:
+            t.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        for what, got, want in zip(("grad_value", "grad_locations", "grad_weights"), captured, eager):
+            assert not torch.isnan(got).any(), what
+            if what == "grad_value":  # fp32 atomics: their order may differ
+                torch.testing.assert_close(got, want, rtol=2e-3, atol=1e-5, msg=what)
+            else:
+                assert torch.equal(got, want), what
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
 def test_tma_ws_spread_fallback_poisons_inconsistent_geometry(dtype):
     """Where the GPU copy of spatial_shapes disagrees with value, the MMA kernel poisons the location
-    and weight gradients, as every backward does (and in fp16 leaves no CTA to the spread
-    fallback)."""
+    and weight gradients, as every backward does, and leaves no CTA to the spread fallback."""
     problem = spread_encoder_problem(dtype, "all")
     skip_unless_supported("tma_ws", validate(*problem.args()))
     bad = problem.spatial_shapes.clone()

@@ -47,6 +47,13 @@ struct ItemAddress {
 };
 
 template <typename scalar_t>
+__device__ __forceinline__ ItemAddress item_address(const Problem<scalar_t>& p, int b, int q, int h) {
+  const int64_t key_stride = static_cast<int64_t>(p.heads) * p.channels;
+  return ItemAddress{(static_cast<int64_t>(b) * p.queries + q) * p.heads + h,
+                     static_cast<int64_t>(b) * p.num_keys * key_stride + static_cast<int64_t>(h) * p.channels, key_stride};
+}
+
+template <typename scalar_t>
 __device__ __forceinline__ ItemAddress item_address(const Problem<scalar_t>& p, int item, bool head_major) {
   int b, q, h;  // 32-bit: items < 2^31 (checked on the host)
   if (head_major) {
@@ -60,9 +67,7 @@ __device__ __forceinline__ ItemAddress item_address(const Problem<scalar_t>& p, 
     q = bq % p.queries;
     b = bq / p.queries;
   }
-  const int64_t key_stride = static_cast<int64_t>(p.heads) * p.channels;
-  return ItemAddress{(static_cast<int64_t>(b) * p.queries + q) * p.heads + h,
-                     static_cast<int64_t>(b) * p.num_keys * key_stride + static_cast<int64_t>(h) * p.channels, key_stride};
+  return item_address(p, b, q, h);
 }
 
 template <typename scalar_t, int VEC, int NV>
@@ -146,38 +151,23 @@ __global__ void __launch_bounds__(kMaxThreads, 1)
   }
 }
 
-// Gradients of one item. grad_locations / grad_weights are written for every (level, point);
-// value gradients go to `sink`.
+// Gradients of the item at `addr`, by its team of `team` lanes (`mask` its lanes in the warp; every
+// lane of the team calls this). grad_locations / grad_weights are written for every (level, point);
+// value gradients go to `sink`. The caller checks the level geometry.
 template <typename scalar_t, int VEC, int NV, typename Sink>
-__global__ void __launch_bounds__(kMaxThreads, 1) backward_kernel(
-    const Problem<scalar_t> p,
-    const scalar_t* __restrict__ grad_output,
-    Sink sink,
-    coord_type<scalar_t>* __restrict__ grad_locations,
-    coord_type<scalar_t>* __restrict__ grad_weights,
-    const int team_log2,
-    const bool head_major) {
+__device__ __forceinline__ void backward_item(const Problem<scalar_t>& p,
+                                              const scalar_t* __restrict__ grad_output,
+                                              const Sink& sink,
+                                              coord_type<scalar_t>* __restrict__ grad_locations,
+                                              coord_type<scalar_t>* __restrict__ grad_weights,
+                                              const ItemAddress& addr,
+                                              const int lane,
+                                              const int team,
+                                              const unsigned mask) {
   using coord_t = coord_type<scalar_t>;
   using acc_t = acc_type<scalar_t>;
-  const int team = 1 << team_log2;
-  const int lane = threadIdx.x & (team - 1);
-  const int64_t thread = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if ((thread >> team_log2) >= p.num_items) return;
-  const int item = static_cast<int>(thread >> team_log2);
-  const unsigned mask = team_mask(team);
-  sink.prepare();
-
-  const ItemAddress addr = item_address(p, item, head_major);
   coord_t* g_loc = grad_locations + addr.row * p.levels * p.points * 2;
   coord_t* g_attn = grad_weights + addr.row * p.levels * p.points;
-  if (!level_geometry_ok(p.spatial_shapes, p.level_start, p.levels, p.num_keys)) {
-    for (int i = lane; i < p.levels * p.points; i += team) {
-      g_attn[i] = quiet_nan<coord_t>();
-      g_loc[2 * i] = g_loc[2 * i + 1] = quiet_nan<coord_t>();
-    }
-    return;
-  }
-
   const int first_channel = lane * VEC, channel_step = team * VEC;
   acc_t go[NV][VEC];
 #pragma unroll
@@ -237,6 +227,44 @@ __global__ void __launch_bounds__(kMaxThreads, 1) backward_kernel(
       }
     }
   }
+}
+
+// NaN location and attention gradients of the item at `addr` (its level geometry is inconsistent).
+template <typename scalar_t>
+__device__ __forceinline__ void poison_item(const Problem<scalar_t>& p, coord_type<scalar_t>* grad_locations,
+                                            coord_type<scalar_t>* grad_weights, const ItemAddress& addr, int lane,
+                                            int team) {
+  using coord_t = coord_type<scalar_t>;
+  coord_t* g_loc = grad_locations + addr.row * p.levels * p.points * 2;
+  coord_t* g_attn = grad_weights + addr.row * p.levels * p.points;
+  for (int i = lane; i < p.levels * p.points; i += team) {
+    g_attn[i] = quiet_nan<coord_t>();
+    g_loc[2 * i] = g_loc[2 * i + 1] = quiet_nan<coord_t>();
+  }
+}
+
+// Gradients of one item per team.
+template <typename scalar_t, int VEC, int NV, typename Sink>
+__global__ void __launch_bounds__(kMaxThreads, 1) backward_kernel(
+    const Problem<scalar_t> p,
+    const scalar_t* __restrict__ grad_output,
+    Sink sink,
+    coord_type<scalar_t>* __restrict__ grad_locations,
+    coord_type<scalar_t>* __restrict__ grad_weights,
+    const int team_log2,
+    const bool head_major) {
+  const int team = 1 << team_log2;
+  const int lane = threadIdx.x & (team - 1);
+  const int64_t thread = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if ((thread >> team_log2) >= p.num_items) return;
+  const ItemAddress addr = item_address(p, static_cast<int>(thread >> team_log2), head_major);
+  if (!level_geometry_ok(p.spatial_shapes, p.level_start, p.levels, p.num_keys)) {
+    poison_item(p, grad_locations, grad_weights, addr, lane, team);
+    return;
+  }
+  sink.prepare();
+  backward_item<scalar_t, VEC, NV>(p, grad_output, sink, grad_locations, grad_weights, addr, lane, team,
+                                   team_mask(team));
 }
 
 }  // namespace portable

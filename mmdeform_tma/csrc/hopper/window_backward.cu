@@ -35,16 +35,18 @@
 // hi + lo parts of the rows times one power of two per tile (tile_largest_finite), three products
 // per step; their dots stay on the FMA units.
 //
-// Where sampling spreads over the image (no window pays), the fast fp16/bf16 32-channel MMA kernels
-// are slower than the plain one: their teams of four reduce each direct corner as two half lines. A
-// CTA whose first stage spreads leaves its tiles to the plain kernel, launched after it on the same
-// grid and tiles (LaunchShape::spread_role); the plain kernel's other CTAs exit at once.
+// Where sampling spreads over the image (no window pays), the fast 32-channel MMA kernels are slower
+// than the plain kernel and `cuda`'s: their teams of four reduce each direct corner as two half
+// lines. A CTA whose first stage spreads leaves its tiles to a fallback launched after it over the
+// same tiles (LaunchShape::spread_role), whose blocks of the other CTAs exit at once: in fp16/bf16 the
+// plain kernel on the same grid, in fp32 the portable kernel's teams (spread_fallback.cuh).
 #include <cstddef>
 
 #include "../common/grad_accumulation.cuh"
 #include "../common/launchers.h"
 #include "backward_chunk.h"
 #include "mma_fragments.cuh"
+#include "spread_fallback.cuh"
 #include "window_launch.cuh"
 #include "window_pipeline.cuh"
 
@@ -260,13 +262,6 @@ __device__ __forceinline__ float* mma_tile_largest(const Ring<coord_t>& ring, in
   return reinterpret_cast<float*>(ring.header(stage) + 1);
 }
 
-// The fast fp16/bf16 32-channel MMA kernels' spread decision (LaunchShape::spread_role), in stage
-// 0's header after the words above: 0 until the consumers find the CTA's first stage spread and leave.
-template <typename coord_t>
-__device__ __forceinline__ volatile int* consumers_left(const Ring<coord_t>& ring) {
-  return reinterpret_cast<volatile int*>(ring.header(0) + 2);
-}
-
 #if MMDEFORM_TMA_HOPPER_DEVICE
 
 // Adds `weight` (scaled by the caller, LaunchShape::weight_scale) to A[slot][cell], hi and lo. Only
@@ -443,29 +438,6 @@ __device__ __forceinline__ uint2 split_row_pair(float a, float b, float scale) {
   const __half la = __float2half_rn(a - __half2float(ha)), lb = __float2half_rn(b - __half2float(hb));
   return make_uint2(static_cast<uint32_t>(__half_as_ushort(ha)) | (static_cast<uint32_t>(__half_as_ushort(hb)) << 16),
                     static_cast<uint32_t>(__half_as_ushort(la)) | (static_cast<uint32_t>(__half_as_ushort(lb)) << 16));
-}
-
-// Whether a stage's points spread over more than four accumulation windows (the bounding box of
-// their corners): sampling spread over the image, not clustered around the tile. The warp's lanes
-// all get the answer.
-template <typename coord_t>
-__device__ __forceinline__ bool stage_points_spread(const WindowPoint<coord_t>* meta, int n) {
-  int min_x = INT_MAX, min_y = INT_MAX, max_x = INT_MIN, max_y = INT_MIN;
-  for (int i = threadIdx.x & 31; i < n; i += 32) {
-    const WindowPoint<coord_t>& m = meta[i];
-    if (m.valid) {
-      min_x = min(min_x, m.x0);
-      max_x = max(max_x, m.x0 + 1);
-      min_y = min(min_y, m.y0);
-      max_y = max(max_y, m.y0 + 1);
-    }
-  }
-  min_x = __reduce_min_sync(0xffffffffu, min_x);
-  max_x = __reduce_max_sync(0xffffffffu, max_x);
-  min_y = __reduce_min_sync(0xffffffffu, min_y);
-  max_y = __reduce_max_sync(0xffffffffu, max_y);
-  return min_x <= max_x &&
-         static_cast<int64_t>(max_x - min_x + 1) * (max_y - min_y + 1) > 4 * kMmaWindowSide * kMmaWindowSide;
 }
 
 // The lane that holds its team's dots after mma_point_dots: t = 2 (g mod 2).
@@ -698,17 +670,23 @@ __global__ void __launch_bounds__(kMaxThreads, kCtasPerSm)
   constexpr bool kMmaDots = kRows32 && sizeof(scalar_t) == 2;
   // The deterministic 32-channel MMA kernels flush window rows through the TMA (flush_fixed_point_row).
   constexpr bool kTmaFlush = kRows32 && !std::is_same_v<Sink, AtomicSink<float>>;
-  // The fast fp16/bf16 32-channel MMA kernels leave a CTA's tiles to the plain kernel where its
-  // sampling spreads (LaunchShape::spread_role). Their teams of four reduce a direct corner as two
-  // half lines, 40 % more L1 wavefronts than the plain kernel's whole lines: uniformly sampled
-  // encoders ran 10-11 % slower than `cuda` (perf_notes.md, items 54 and 57). Not fp32: its uniformly
-  // sampled encoders were 7-8 % faster with the fallback on an H100 but 4-9 % slower on an H200 (item 59).
-  constexpr bool kSpreadBail = kMmaDots && std::is_same_v<Sink, AtomicSink<float>>;
+  // The fast MMA kernels of 32-channel rows leave a CTA's tiles to the spread fallback where its
+  // sampling spreads (LaunchShape::spread_role): their teams of four
+  // reduce a direct corner as two half lines, 40 % more L1 wavefronts than whole lines, and uniformly
+  // sampled encoders ran 10-14 % slower than `cuda` (perf_notes.md, items 54, 57 and 79). fp32's MMA
+  // kernels take 32-channel rows only (mma_built); their kRows32 marks the fixed-point one.
+  constexpr bool kSpreadBail =
+      kMma && std::is_same_v<Sink, AtomicSink<float>> && (kMmaDots || sizeof(scalar_t) == 4);
   extern __shared__ __align__(128) char dynamic_smem[];
 
-  // The spread fallback (a 4-CTA plain kernel): only the CTAs the MMA kernel left.
+  // The fp16/bf16 spread fallback (a 4-CTA plain kernel): only the CTAs the MMA kernel left.
   if constexpr (kAggregation == Aggregation::kDirect && kCtasPerSm == 4) {
     if (s.spread_role == SpreadRole::kRunFlaggedCtas && s.spread_flags[blockIdx.x] == 0) return;
+  }
+  if constexpr (kSpreadBail && sizeof(scalar_t) == 4) {  // the fp32 fallback's run counter, read after this kernel
+    if (s.spread_role == SpreadRole::kBailWhereSpread && blockIdx.x == 0 && threadIdx.x == 0) {
+      *spread_run_counter(s, static_cast<int>(gridDim.x)) = 0;
+    }
   }
   if (!level_geometry_ok(p.spatial_shapes, p.level_start, p.levels, p.num_keys)) {
     if constexpr (kSpreadBail) {  // the fallback's CTAs read every flag
@@ -728,11 +706,14 @@ __global__ void __launch_bounds__(kMaxThreads, kCtasPerSm)
       *reinterpret_cast<uint4*>(dynamic_smem + s.a_offset + i) = make_uint4(0u, 0u, 0u, 0u);
     }
   }
-  if constexpr (kSpreadBail) {  // init_ring's barrier orders this before any use
-    if (threadIdx.x == 0) *consumers_left(ring) = 0;
-  }
   init_ring(ring, &value_map);
   if (threadIdx.x < 32) {
+    // Where the CTA may leave its tiles to the spread fallback (kSpreadBail), the producer stops after
+    // the CTA's first stage if that stage spreads (StageWindow::spread); the consumers read the same
+    // verdict in its header and leave.
+    const auto first_stage_spreads = [](const StageCursor& at, const StageWindow& w) {
+      return at.round == 0 && at.stage == 0 && w.spread != 0;
+    };
     if constexpr (kGather) {
       int* count = gather_counters(ring);
       for (int c = threadIdx.x; c < s.window_rows * s.window_cols; c += 32) count[c] = 0;
@@ -743,17 +724,18 @@ __global__ void __launch_bounds__(kMaxThreads, kCtasPerSm)
       // Each stage of a tile carries the tile's largest row element (taken at its first level).
       int level = 0;
       float largest = 0.0f;
-      run_producer(p, ring, &value_map, groups, num_tiles, [&](const Tile& t, const StageWindow&, int stage) {
+      const auto scale_rows = [&](const Tile& t, const StageWindow&, int stage) {
         if (level == 0) largest = tile_largest_finite(p, s, t, grad_output);
         if ((threadIdx.x & 31) == 0) *mma_tile_largest(ring, stage) = largest;
         level = level + 1 == p.levels ? 0 : level + 1;
-      });
+      };
+      if constexpr (kSpreadBail) {
+        run_producer(p, ring, &value_map, groups, num_tiles, scale_rows, first_stage_spreads);
+      } else {
+        run_producer(p, ring, &value_map, groups, num_tiles, scale_rows);
+      }
     } else if constexpr (kSpreadBail) {
-      // It stops once the consumers have left (kBailWhereSpread): they set the word, then release
-      // every stage, so that it never waits for them. It reads the word only after a wait on a
-      // stage's release, which orders the consumers' write before the read.
-      run_producer(p, ring, &value_map, groups, num_tiles, NoStageWork{},
-                   [&](const StageCursor& at) { return at.round > 0 && *consumers_left(ring) != 0; });
+      run_producer(p, ring, &value_map, groups, num_tiles, NoStageWork{}, first_stage_spreads);
     } else {
       run_producer(p, ring, &value_map, groups, num_tiles);
     }
@@ -763,18 +745,15 @@ __global__ void __launch_bounds__(kMaxThreads, kCtasPerSm)
   if constexpr (kSpreadBail) {
     if (s.spread_role == SpreadRole::kBailWhereSpread) {
       // The CTA's first tile is one of the launch's first, at the finest level, where local sampling
-      // keeps a tile's points within a window or two. A CTA with no tile leaves none.
+      // keeps a tile's points within a window or two. A CTA with no tile leaves none. Where it
+      // spreads, the producer made that stage alone, and this wait also sees its window loaded.
       bool spread = false;
       if (static_cast<int>(blockIdx.x) < num_tiles) {
         mbarrier_wait(ring.full(0), 0u);
-        spread = stage_points_spread(ring.meta(0), s.slots * p.points);
+        spread = ring.header(0)->spread != 0;
       }
       if (threadIdx.x == 32) s.spread_flags[blockIdx.x] = spread ? 1 : 0;
-      if (spread) {
-        if (threadIdx.x == 32) *consumers_left(ring) = 1;  // before this thread's arrivals: they release it
-        for (int stage = 0; stage < s.stages; ++stage) mbarrier_arrive(ring.empty(stage));
-        return;
-      }
+      if (spread) return;
     }
   }
   sink.prepare();
@@ -1073,14 +1052,14 @@ Gradients backward(const ProblemTensors& problem, const at::Tensor& grad_output,
   if (!s.mma) {  // any other config or problem; an MMA config whose tile the MMA cannot take runs without a window
     s = launch_shape(problem, config, chunk_bytes, meta_size, kMaxBackwardSlotsPerTeam, true, entry_size);
   }
-  // The fast fp16/bf16 32-channel MMA kernels hand the CTAs whose sampling spreads to a plain kernel
-  // over the same tiles (LaunchShape::spread_role), where the team layout gives that kernel the same
-  // tiles.
-  LaunchShape fallback{};
-  bool spread_fallback = s.mma && !deterministic && problem.channels == 32 && element == 2;
-  if (spread_fallback) {
-    fallback = spread_fallback_shape(problem, s, chunk_bytes, meta_size);
-    spread_fallback = fallback.slots == s.slots && fallback.block_cols == s.block_cols;
+  // The fast 32-channel MMA kernels hand the CTAs whose sampling spreads to a fallback over the same
+  // tiles (LaunchShape::spread_role): in fp16/bf16 a plain kernel, where the team layout gives it the
+  // same tiles; in fp32 the portable kernel's teams.
+  LaunchShape plain_fallback{};
+  bool spread_fallback = s.mma && !deterministic && problem.channels == 32 && element <= 4;
+  if (spread_fallback && element == 2) {
+    plain_fallback = spread_fallback_shape(problem, s, chunk_bytes, meta_size);
+    spread_fallback = plain_fallback.slots == s.slots && plain_fallback.block_cols == s.block_cols;
   }
   return run_backward(
       problem, grad_output, deterministic, grad_value_layout(problem, grad_output, deterministic), "mmdeform_tma tma_ws backward",
@@ -1104,22 +1083,29 @@ Gradients backward(const ProblemTensors& problem, const at::Tensor& grad_output,
               return;
             }
             const int64_t blocks = persistent_blocks(kernel, problem, s);
-            const at::Tensor flags = at::empty({blocks}, problem.value.options().dtype(at::kInt));
-            LaunchShape first = s, second = fallback;
-            first.spread_role = SpreadRole::kBailWhereSpread;
-            second.spread_role = SpreadRole::kRunFlaggedCtas;
-            first.spread_flags = second.spread_flags = flags.data_ptr<int>();
-            launch_on_grid<scalar_t>(kernel, blocks, problem, first, flush_map, go, sink, grad_locations, grad_weights);
-            hopper::with_backward_chunk<scalar_t>(static_cast<int>(problem.channels), [&](auto chunk) {
-              constexpr int kChunk = decltype(chunk)::value;
-              if constexpr (four_ctas_built<scalar_t, kChunk, Sink>()) {
-                const auto plain = backward_kernel<scalar_t, kChunk, Sink, Aggregation::kDirect, 4>;
-                persistent_blocks(plain, problem, second);  // raises its shared-memory limit
-                launch_on_grid<scalar_t>(plain, blocks, problem, second, flush_map, go, sink, grad_locations, grad_weights);
-              } else {
-                TORCH_CHECK(false, "mmdeform_tma tma_ws: no plain kernel for the spread fallback");
-              }
-            });
+            const at::Tensor flags = at::empty({blocks + 1}, problem.value.options().dtype(at::kInt));  // + the run counter
+            LaunchShape bailing = s;
+            bailing.spread_role = SpreadRole::kBailWhereSpread;
+            bailing.spread_flags = flags.data_ptr<int>();
+            launch_on_grid<scalar_t>(kernel, blocks, problem, bailing, flush_map, go, sink, grad_locations, grad_weights);
+            if constexpr (sizeof(scalar_t) == 4 && std::is_same_v<Sink, AtomicSink<float>>) {
+              launch_spread_fallback<scalar_t>(problem, bailing, blocks, go, sink, grad_locations, grad_weights);
+            } else {
+              hopper::with_backward_chunk<scalar_t>(static_cast<int>(problem.channels), [&](auto chunk) {
+                constexpr int kChunk = decltype(chunk)::value;
+                if constexpr (four_ctas_built<scalar_t, kChunk, Sink>()) {
+                  LaunchShape plain = plain_fallback;
+                  plain.spread_role = SpreadRole::kRunFlaggedCtas;
+                  plain.spread_flags = bailing.spread_flags;
+                  const auto plain_kernel = backward_kernel<scalar_t, kChunk, Sink, Aggregation::kDirect, 4>;
+                  persistent_blocks(plain_kernel, problem, plain);  // raises its shared-memory limit
+                  launch_on_grid<scalar_t>(plain_kernel, blocks, problem, plain, flush_map, go, sink, grad_locations,
+                                           grad_weights);
+                } else {
+                  TORCH_CHECK(false, "mmdeform_tma tma_ws: no plain kernel for the spread fallback");
+                }
+              });
+            }
           };
           if (s.mma) {
             // Rows of 32 channels (fp32's only ones): in fp16/bf16 the dots on the tensor cores too;

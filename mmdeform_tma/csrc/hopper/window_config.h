@@ -129,10 +129,11 @@ struct LaunchShape {
   // Tile order (window_pipeline.cuh, tile_at): heads outer, where the value of every head at once
   // would not stay in the L2 (tile_order_heads_outer).
   bool heads_outer;
-  // Spread sampling (window_backward.cu, backward): the fast fp16/bf16 32-channel MMA kernel runs with
-  // kBailWhereSpread, and a plain kernel with the same tiles and grid follows with kRunFlaggedCtas.
-  // Each MMA CTA whose first stage's points spread past the accumulation windows (uniform sampling)
-  // records that in spread_flags[CTA] and leaves its tiles to the plain kernel's CTA of that index.
+  // Spread sampling (window_backward.cu, backward): the fast 32-channel MMA kernel runs with
+  // kBailWhereSpread. Each MMA CTA whose first stage's points spread past the accumulation windows
+  // (uniform sampling) records that in spread_flags[CTA] (0 otherwise) and leaves its tiles to the
+  // fallback that follows: in fp16/bf16 a plain kernel on the same tiles and grid (kRunFlaggedCtas),
+  // in fp32 the portable kernel's teams (spread_fallback.cuh).
   SpreadRole spread_role;
   int* spread_flags;
 };

@@ -17,26 +17,34 @@ namespace mmdeform_tma {
 namespace hopper {
 namespace window {
 
-// CTAs of `kernel` one SM holds with this launch shape, cached per (kernel, device, shape): the
-// first launch of a kernel on a device also raises its shared-memory limit to the device's.
-inline int blocks_per_multiprocessor(const void* kernel, const LaunchShape& s) {
+// CTAs of `kernel` one SM holds with `threads` threads and `bytes` of dynamic shared memory, cached
+// per (kernel, device, threads, bytes): the first launch of a kernel on a device also raises its
+// dynamic shared-memory limit to what the device leaves beside its static shared memory.
+inline int blocks_per_multiprocessor(const void* kernel, int threads, int bytes) {
   static std::mutex mutex;
   static std::map<std::tuple<const void*, int, int, int>, int> cache;  // kernel, device, threads, bytes
-  const int threads = 32 * (1 + s.consumer_warps);
   int device = 0;
   C10_CUDA_CHECK(cudaGetDevice(&device));
   const std::lock_guard<std::mutex> lock(mutex);
-  const auto key = std::make_tuple(kernel, device, threads, s.total_bytes);
+  const auto key = std::make_tuple(kernel, device, threads, bytes);
   auto it = cache.find(key);
   if (it != cache.end()) return it->second;
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      current_device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin)));
+  cudaFuncAttributes attributes{};
+  C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
+  C10_CUDA_CHECK(cudaFuncSetAttribute(
+      kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+      current_device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin) - static_cast<int>(attributes.sharedSizeBytes)));
   int blocks = 0;
-  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads, s.total_bytes));
-  TORCH_CHECK(blocks > 0, "mmdeform_tma tma_ws: a CTA of ", num(threads), " threads and ", num(s.total_bytes),
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads, bytes));
+  TORCH_CHECK(blocks > 0, "mmdeform_tma tma_ws: a CTA of ", num(threads), " threads and ", num(bytes),
               " bytes of shared memory does not fit on an SM");
   cache.emplace(key, blocks);
   return blocks;
+}
+
+// The same for a window kernel's launch shape.
+inline int blocks_per_multiprocessor(const void* kernel, const LaunchShape& s) {
+  return blocks_per_multiprocessor(kernel, 32 * (1 + s.consumer_warps), s.total_bytes);
 }
 
 // The persistent grid of `kernel`: as many CTAs as the SMs hold, fewer for small problems (at most

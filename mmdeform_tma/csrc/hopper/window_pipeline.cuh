@@ -58,6 +58,9 @@ struct alignas(16) StageWindow {
   int rows;           // window rows loaded; 0: this stage has no window
   int cols;           // window columns inside the level
   int width, height;  // the level's size
+  // Under SpreadRole::kBailWhereSpread: 1 when the corners span more than four MMA accumulation
+  // windows (sampling spread over the level, not clustered around the tile).
+  int spread;
 };
 
 // Where a tile's queries are. Pixel blocks: the block's origin in its query level; strips: the
@@ -131,6 +134,27 @@ __device__ __forceinline__ int tile_query(const Tile& t, const LaunchShape& s, i
   }
   const int q = t.first + slot;
   return q < queries ? q : -1;
+}
+
+// The tile that holds query q of (batch, head): the inverse of tile_at and tile_query.
+template <typename scalar_t>
+__device__ __forceinline__ int tile_of_query(const Problem<scalar_t>& p, const LaunchShape& s, int groups, int batch,
+                                             int head, int q) {
+  int group = q / s.slots;
+  if (s.pixel_tiles) {
+    group = 0;
+    for (int l = 0; l < p.levels; ++l) {
+      const LevelGeometry g = level_geometry(p.spatial_shapes, p.level_start, l);
+      const int across = ceil_div(g.width, s.block_cols);
+      const int pixel = q - static_cast<int>(g.start);
+      if (pixel < g.height * g.width) {
+        group += pixel / g.width / s.block_rows * across + pixel % g.width / s.block_cols;
+        break;
+      }
+      group += ceil_div(g.height, s.block_rows) * across;
+    }
+  }
+  return s.heads_outer ? (batch * p.heads + head) * groups + group : (batch * groups + group) * p.heads + head;
 }
 
 // Walks (tile, level) stages in the order both roles use: the tile's levels, then the CTA's next
@@ -226,9 +250,9 @@ struct NoStageWork {
 };
 
 // One stage of the producer warp: metadata, window, `work(t, w, stage)`, TMA loads, arrival on
-// full[stage].
+// full[stage]. Returns the stage's window (its header).
 template <typename scalar_t, typename StageWork = NoStageWork>
-__device__ __forceinline__ void produce_stage(
+__device__ __forceinline__ StageWindow produce_stage(
     const Problem<scalar_t>& p, const Ring<coord_type<scalar_t>>& ring, const CUtensorMap* map, const Tile& t,
     int level, int stage, StageWork work = {}) {
   using coord_t = coord_type<scalar_t>;
@@ -279,7 +303,11 @@ __device__ __forceinline__ void produce_stage(
   min_y = __reduce_min_sync(0xffffffffu, min_y);
   max_y = __reduce_max_sync(0xffffffffu, max_y);
 
-  StageWindow w{0, 0, 0, g.width, g.height};
+  StageWindow w{0, 0, 0, g.width, g.height, 0};
+  if (s.spread_role == SpreadRole::kBailWhereSpread) {
+    w.spread = min_x <= max_x && static_cast<int64_t>(max_x - min_x + 1) * (max_y - min_y + 1) >
+                                     4 * kMmaWindowSide * kMmaWindowSide;
+  }
   int wx0 = 0, wy0 = 0;
   if (s.window_rows > 0 && min_x <= max_x) {
     wx0 = max_x - min_x < s.window_cols ? min_x : max(0, min(g.width - s.window_cols, (min_x + max_x + 1 - s.window_cols) / 2));
@@ -318,11 +346,12 @@ __device__ __forceinline__ void produce_stage(
       tma_load_2d(ring.window(stage) + r * s.window_cols * s.row_bytes, map, column, w.key0 + r * g.width, ring.full(stage));
     }
   }
+  return w;
 }
 
 // Whether the producer stops after the stage at `at` (a kernel's hook): never, by default.
 struct NeverStop {
-  __device__ __forceinline__ bool operator()(const StageCursor&) const { return false; }
+  __device__ __forceinline__ bool operator()(const StageCursor&, const StageWindow&) const { return false; }
 };
 
 // The producer warp's whole life: every stage of every tile of this CTA, or until `stop`.
@@ -336,8 +365,8 @@ __device__ __forceinline__ void run_producer(
   while (at.tile < num_tiles) {
     if (at.level == 0) t = tile_at(p, s, groups, at.tile);
     if (at.round > 0) mbarrier_wait(ring.empty(at.stage), (at.round - 1) & 1u);
-    produce_stage(p, ring, map, t, at.level, at.stage, work);
-    if (stop(at)) return;
+    const StageWindow w = produce_stage(p, ring, map, t, at.level, at.stage, work);
+    if (stop(at, w)) return;
     at.advance(p.levels, s.stages);
   }
 }
