@@ -671,10 +671,10 @@ __global__ void __launch_bounds__(kMaxThreads, kCtasPerSm)
   // The deterministic 32-channel MMA kernels flush window rows through the TMA (flush_fixed_point_row).
   constexpr bool kTmaFlush = kRows32 && !std::is_same_v<Sink, AtomicSink<float>>;
   // The fast MMA kernels of 32-channel rows leave a CTA's tiles to the spread fallback where its
-  // sampling spreads (LaunchShape::spread_role): their teams of four
-  // reduce a direct corner as two half lines, 40 % more L1 wavefronts than whole lines, and uniformly
-  // sampled encoders ran 10-14 % slower than `cuda` (perf_notes.md, items 54, 57 and 79). fp32's MMA
-  // kernels take 32-channel rows only (mma_built); their kRows32 marks the fixed-point one.
+  // sampling spreads (LaunchShape::spread_role): their teams of four reduce a direct corner as two
+  // half lines, 40 % more L1 wavefronts than whole lines, and uniformly sampled encoders ran 10-14 %
+  // slower than `cuda` (perf_notes.md, items 54, 57 and 79). fp32's MMA kernels take 32-channel rows
+  // only (mma_built); their kRows32 marks the fixed-point one.
   constexpr bool kSpreadBail =
       kMma && std::is_same_v<Sink, AtomicSink<float>> && (kMmaDots || sizeof(scalar_t) == 4);
   extern __shared__ __align__(128) char dynamic_smem[];
