@@ -61,13 +61,16 @@ __global__ void __launch_bounds__(kSpreadTeamThreads) spread_team_kernel(
   if (threadIdx.x == 0) runs[0] = atomicAdd(counter, 1);
   __syncthreads();
   for (int slot = 0;; slot ^= 1) {
-    const int first = runs[slot] * kTeams;
+    // 64-bit: the blocks take up to one run each past the last item, which near the 2^31-item
+    // limit would overflow a 32-bit product.
+    const int64_t first = static_cast<int64_t>(runs[slot]) * kTeams;
     if (first >= p.num_items) break;  // the same for the whole block
     if (threadIdx.x == 0) runs[slot ^ 1] = atomicAdd(counter, 1);
-    const int item = first + team;  // items in head-major order, (batch, head, query), as `cuda`'s `_hm` configs
+    const int64_t run_item = first + team;  // head-major order, (batch, head, query), as `cuda`'s `_hm` configs
+    const int item = static_cast<int>(min(run_item, static_cast<int64_t>(p.num_items) - 1));
     const int q = item % p.queries, bh = item / p.queries;
     const int head = bh % p.heads, batch = bh / p.heads;
-    if (item < p.num_items &&
+    if (run_item < p.num_items &&
         (every_cta_left || s.spread_flags[tile_of_query(p, s, groups, batch, head, q) % mma_blocks] != 0)) {
       portable::backward_item<scalar_t, kVec, 1>(p, grad_output, sink, grad_locations, grad_weights,
                                                  portable::item_address(p, batch, q, head), lane, kSpreadTeamLanes,
