@@ -729,6 +729,58 @@ def test_sorted_deterministic_backward_against_float64(monkeypatch, backend, dty
         assert torch.equal(a, b)
 
 
+# Cases for the sorted backward's untouched rows: a sparse decoder (short gaps between touched
+# cells), a wide sparse one (gaps longer than a chunk's warp zeroes itself), 6- and 3-channel rows
+# (4- and 2-byte stores in fp16), and one full chunk of 32 entries (its last lane zeroes the cells
+# after the last touched one).
+UNTOUCHED_CASES = [
+    SPARSE_DECODER,
+    ("wide_sparse_bs2", [(96, 128), (48, 64)], 2, 10, 2, 32, 1, "local"),
+    ("sparse_c6", [(40, 60), (20, 30)], 2, 20, 3, 6, 2, "local"),
+    ("sparse_c3", [(40, 50)], 2, 20, 2, 3, 2, "local"),
+    ("one_full_chunk", [(12, 10)], 1, 8, 1, 16, 1, "local"),
+]
+
+
+def backward_over_poisoned_memory(monkeypatch, problem, grad_output, backend, layout="sorted"):
+    """The deterministic backward right after a freed NaN block of grad_value's size, which the
+    caching allocator hands to grad_value: a row the kernels leave unwritten stays NaN."""
+    poison = [torch.full_like(problem.value, float("nan")) for _ in range(4)]
+    del poison
+    return backward_with_layout(monkeypatch, layout, problem, grad_output, backend, True)
+
+
+@pytest.mark.parametrize("backend", COMPILED_BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", UNTOUCHED_CASES, ids=lambda c: c[0])
+def test_sorted_backward_zeroes_every_untouched_row(monkeypatch, backend, dtype, case):
+    """The sorted backward writes every row of grad_value without a fill: the rows no corner
+    touches are zero (exactly where float64's are), over memory that held NaN."""
+    problem = cuda_problem(case, dtype, seed=79)
+    skip_unless_supported(backend, validate(*problem.args()))
+    _, grad_output, exact_grads, _ = float64_answers(problem, dtype)
+    grad_value = backward_over_poisoned_memory(monkeypatch, problem, grad_output, backend)[0]
+    untouched = (exact_grads[0] == 0).all(dim=-1)
+    assert untouched.any() and not untouched.all(), case[0]
+    assert torch.isfinite(grad_value).all()
+    assert torch.equal(grad_value[untouched], torch.zeros_like(grad_value[untouched]))
+    check(grad_value, exact_grads[0], "grad_value")
+
+
+@pytest.mark.parametrize("backend", COMPILED_BACKENDS)
+def test_sorted_backward_with_every_corner_outside_is_zero(monkeypatch, backend):
+    """No corner inside any level: every cell is one gap, listed in segments and zeroed by the
+    carry launch's blocks; all three gradients are zero."""
+    problem = cuda_problem(SPARSE_DECODER, torch.float32, seed=83)
+    skip_unless_supported(backend, validate(*problem.args()))
+    problem.sampling_locations.fill_(-3.0)
+    grad_output = torch.randn(*problem.sampling_locations.shape[:2], problem.value.shape[2] * problem.value.shape[3],
+                              device="cuda")
+    grads = backward_over_poisoned_memory(monkeypatch, problem, grad_output, backend)
+    for what, got in zip(GRADIENT_NAMES, grads):
+        assert torch.equal(got, torch.zeros_like(got)), what
+
+
 def cuda_kernel_names(fn) -> set[str]:
     """The CUDA kernels that fn() launched, by name."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:

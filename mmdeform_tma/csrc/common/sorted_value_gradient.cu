@@ -117,21 +117,15 @@ EntryOrder entry_order_of(const ProblemTensors& problem) {
 
 // Step 1: a team per sampling point (item, level, point), numbered as locations are. Lane 0
 // writes the point's gradients and its four entries; the team's lanes share the dot products.
-// First, every thread of the grid zeroes its share of grad_value (the cells no corner touches stay
-// zero): stores that overlap the points' loads. A memset before the kernel took 6 (fp16) to 12 us
-// (fp32) of DETR's decoder on its own; fused, the kernel grew by 4-5 us (H100, session 32).
+// The first thread also zeroes the count of long gaps (UntouchedRows) that step 3 appends to.
 template <typename scalar_t, int LANE>
 __global__ void __launch_bounds__(kThreads) sorted_point_gradients_kernel(
     const Problem<scalar_t> p, const scalar_t* __restrict__ grad_output, coord_type<scalar_t>* __restrict__ grad_locations,
     coord_type<scalar_t>* __restrict__ grad_weights, int32_t* __restrict__ keys, int32_t* __restrict__ entry_index,
-    acc_type<scalar_t>* __restrict__ entry_weights, const EntryOrder order, int team_log2,
-    uint4* __restrict__ zero_fill, int64_t zero_vectors) {
+    acc_type<scalar_t>* __restrict__ entry_weights, const EntryOrder order, int team_log2, int32_t* __restrict__ long_gaps) {
   using coord_t = coord_type<scalar_t>;
   using acc_t = acc_type<scalar_t>;
-  const int64_t threads = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < zero_vectors; i += threads) {
-    zero_fill[i] = make_uint4(0u, 0u, 0u, 0u);
-  }
+  if (blockIdx.x == 0 && threadIdx.x == 0) *long_gaps = 0;
   const int team = 1 << team_log2;
   const int lane = threadIdx.x & (team - 1);
   const int64_t point = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> team_log2;
@@ -222,6 +216,59 @@ __global__ void __launch_bounds__(kThreads) sorted_point_gradients_kernel(
   }
 }
 
+// The cells no corner touches: the ranks between consecutive distinct ranks of the sorted entries
+// (and before the first, and after the last up to the invalid corners' rank). Their rows are
+// zeroed where they are found instead of filling all of grad_value first: on DINO's fp32 decoder
+// the fill was 8.7 us of the deterministic backward's 137, in the point kernel and in the
+// write-backs that slowed the sums (H100, 2026-11-26, perf_notes item 82). A chunk's warp zeroes
+// its gaps of up to kInlineGapRows rows; longer ones are cut into segments of as many rows,
+// listed, and zeroed by the carry launch's blocks, one segment each, so that a large untouched
+// region (a problem whose corners all miss, say) is spread over the GPU.
+constexpr int kInlineGapRows = 256;
+
+struct UntouchedRows {
+  char* grad_value;
+  int num_keys, groups, heads;  // a rank is pixel x groups + (batch x heads + head)
+  int row_units, unit_bytes;    // a row of grad_value as row_units stores of unit_bytes (16, 8, 4 or 2)
+  int32_t* count;               // [0]: listed segments; then (first rank, rows) pairs
+  int64_t capacity;             // segments the list holds
+
+  __device__ __forceinline__ void zero_unit(int rank, int unit) const {
+    const int pixel = rank / groups, group = rank - pixel * groups;
+    const int batch = group / heads, head = group - batch * heads;
+    const int64_t row = (static_cast<int64_t>(batch) * num_keys + pixel) * heads + head;
+    char* at = grad_value + (row * row_units + unit) * unit_bytes;
+    switch (unit_bytes) {
+      case 16:
+        *reinterpret_cast<uint4*>(at) = make_uint4(0u, 0u, 0u, 0u);
+        break;
+      case 8:
+        *reinterpret_cast<uint2*>(at) = make_uint2(0u, 0u);
+        break;
+      case 4:
+        *reinterpret_cast<uint32_t*>(at) = 0u;
+        break;
+      default:
+        *reinterpret_cast<uint16_t*>(at) = 0u;
+    }
+  }
+  // Rows [first, first + rows) of the rank order, by `threads` threads of which this is `thread`.
+  __device__ __forceinline__ void zero(int first, int rows, int thread, int threads) const {
+    const int64_t units = static_cast<int64_t>(rows) * row_units;
+    for (int64_t u = thread; u < units; u += threads) {
+      zero_unit(first + static_cast<int>(u / row_units), static_cast<int>(u % row_units));
+    }
+  }
+  __device__ __forceinline__ void list(int first, int rows) const {
+    const int segments = (rows + kInlineGapRows - 1) / kInlineGapRows;
+    const int at = atomicAdd(count, segments);
+    for (int k = 0; k < segments && at + k < capacity; ++k) {
+      count[1 + 2 * (at + k)] = first + k * kInlineGapRows;
+      count[2 + 2 * (at + k)] = min(kInlineGapRows, rows - k * kInlineGapRows);
+    }
+  }
+};
+
 // Step 3 in two launches. Each chunk of 32 sorted entries is cut into pieces, a piece being the
 // chunk's entries of one cell. A cell inside one chunk is one piece; a cell that crosses chunk ends
 // is a trailing piece (where it begins), lead pieces of the chunks after it, and its sum is those
@@ -265,7 +312,7 @@ __global__ void __launch_bounds__(kThreads) sorted_chunk_sums_kernel(
     const acc_type<scalar_t>* __restrict__ entry_weights, int64_t entries, const scalar_t* __restrict__ grad_output,
     const EntryOrder entry_order, int num_keys, int groups, int channels, int team_log2,
     acc_type<scalar_t>* __restrict__ partials, int32_t* __restrict__ chunk_flags, int32_t* __restrict__ trailing_cells,
-    scalar_t* __restrict__ grad_value) {
+    scalar_t* __restrict__ grad_value, const UntouchedRows untouched) {
   using acc_t = acc_type<scalar_t>;
   extern __shared__ __align__(16) unsigned char chunk_stage[];
   const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
@@ -313,6 +360,18 @@ __global__ void __launch_bounds__(kThreads) sorted_chunk_sums_kernel(
   if (lane == 0) {
     chunk_flags[chunk] = (trailing ? kTrailing : 0) | (lead_ends ? kLeadEndsHere : 0);
     if (trailing) trailing_cells[chunk] = last_start_cell;
+  }
+  // The untouched cells below each boundary's rank (lanes past the last entry carry the invalid
+  // rank, so the last chunk's boundary there covers the cells after the last touched one; a full
+  // last chunk's final lane covers them itself).
+  const int gap = key != before ? key - before - 1 : 0;
+  const int final_gap = lane == 31 && i == entries - 1 && key < no_cell ? no_cell - key - 1 : 0;
+  if (gap > kInlineGapRows) untouched.list(before + 1, gap);
+  if (final_gap > 0) untouched.list(key + 1, final_gap);
+  for (unsigned pending_gaps = __ballot_sync(0xffffffffu, gap > 0 && gap <= kInlineGapRows); pending_gaps != 0u;
+       pending_gaps &= pending_gaps - 1u) {
+    const int source = __ffs(pending_gaps) - 1;
+    untouched.zero(__shfl_sync(0xffffffffu, before + 1, source), __shfl_sync(0xffffffffu, gap, source), lane, 32);
   }
   __syncwarp();
   const int teams = 32 >> team_log2, team = lane >> team_log2;
@@ -372,8 +431,13 @@ __global__ void __launch_bounds__(kThreads) sorted_chunk_sums_kernel(
 template <typename scalar_t, int LANE>
 __global__ void __launch_bounds__(kThreads) sorted_carry_kernel(
     const int32_t* __restrict__ trailing_cells, const acc_type<scalar_t>* __restrict__ partials,
-    const int32_t* __restrict__ chunk_flags, int64_t chunks, int channels, int team_log2, scalar_t* __restrict__ grad_value) {
+    const int32_t* __restrict__ chunk_flags, int64_t chunks, int channels, int team_log2, scalar_t* __restrict__ grad_value,
+    const UntouchedRows untouched) {
   using acc_t = acc_type<scalar_t>;
+  const int segments = static_cast<int>(min(static_cast<int64_t>(*untouched.count), untouched.capacity));
+  for (int segment = blockIdx.x; segment < segments; segment += gridDim.x) {
+    untouched.zero(untouched.count[1 + 2 * segment], untouched.count[2 + 2 * segment], threadIdx.x, blockDim.x);
+  }
   const int64_t chunk = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> team_log2;
   const int channel = (threadIdx.x & ((1 << team_log2) - 1)) * LANE;
   if (chunk >= chunks || channel >= channels || !(chunk_flags[chunk] & kTrailing)) return;
@@ -429,18 +493,13 @@ Gradients sorted_deterministic_backward(const ProblemTensors& problem, const at:
   const auto coordinate_grads = coordinate_gradients(problem);
   const at::Tensor& grad_locations = coordinate_grads.first;
   const at::Tensor& grad_weights = coordinate_grads.second;
-  // Zeroed by the point kernel, or here (at::zeros would also fill under torch's deterministic mode).
+  // Every row is written by step 3: summed, or zeroed as untouched (at::zeros would also fill
+  // under torch's deterministic mode).
   at::Tensor grad_value = uninitialized(problem.value.sizes(), problem.value.options());
   const int64_t points = problem.num_items() * problem.levels * problem.points;
-  const int64_t zero_vectors = grad_value.nbytes() / 16;  // the rest, under 16 bytes, by a memset
-  const int64_t zero_tail = grad_value.nbytes() - 16 * zero_vectors;
   const bool empty = problem.empty_output() || points == 0;
-  if (empty || zero_tail > 0) {
-    const int64_t from = empty ? 0 : 16 * zero_vectors;
-    C10_CUDA_CHECK(cudaMemsetAsync(static_cast<char*>(grad_value.data_ptr()) + from, 0, grad_value.nbytes() - from,
-                                   current_stream()));
-  }
   if (empty) {
+    C10_CUDA_CHECK(cudaMemsetAsync(grad_value.data_ptr(), 0, grad_value.nbytes(), current_stream()));
     grad_locations.zero_();
     grad_weights.zero_();
     return {grad_value, grad_locations, grad_weights};
@@ -458,17 +517,29 @@ Gradients sorted_deterministic_backward(const ProblemTensors& problem, const at:
   const int lane = lane_elements(problem, grad_output);
   const int team_log2 = team_log2_for((problem.channels + lane - 1) / lane);
   const auto stream = current_stream();
+  // The untouched rows' stores: the widest that divides a row and grad_value's alignment.
+  const int64_t row_bytes = problem.channels * static_cast<int64_t>(problem.value.element_size());
+  int unit_bytes = 16;
+  while (unit_bytes > 2 &&
+         (row_bytes % unit_bytes != 0 || reinterpret_cast<uintptr_t>(grad_value.data_ptr()) % unit_bytes != 0)) {
+    unit_bytes /= 2;
+  }
+  // Long gaps: a segment per kInlineGapRows rows, and one more per gap longer than that.
+  const int64_t cells = problem.batch * problem.num_keys * problem.heads;
+  const int64_t capacity = 2 * (cells / kInlineGapRows) + 4;
+  const at::Tensor gap_list = uninitialized({1 + 2 * capacity}, int_options);
+  const UntouchedRows untouched{static_cast<char*>(grad_value.data_ptr()), static_cast<int>(problem.num_keys),
+                                static_cast<int>(problem.batch * problem.heads), static_cast<int>(problem.heads),
+                                static_cast<int>(row_bytes / unit_bytes), unit_bytes, gap_list.data_ptr<int32_t>(), capacity};
   MMDEFORM_TMA_DISPATCH_VALUE_TYPES(problem.value.scalar_type(), "mmdeform_tma sorted backward", [&] {
     using coord_t = coord_type<scalar_t>;
     using acc_t = acc_type<scalar_t>;
     const auto* go = reinterpret_cast<const scalar_t*>(grad_output.data_ptr());
     const auto launch_points = [&](auto kernel) {
-      // Enough threads that none zeroes more than 8 vectors when the points are few.
-      const int64_t blocks = std::max(blocks_for(points << team_log2), blocks_for((zero_vectors + 7) / 8));
-      kernel<<<blocks, kThreads, 0, stream>>>(
+      kernel<<<blocks_for(points << team_log2), kThreads, 0, stream>>>(
           problem.problem<scalar_t>(), go, grad_locations.data_ptr<coord_t>(), grad_weights.data_ptr<coord_t>(),
           keys.data_ptr<int32_t>(), index.data_ptr<int32_t>(), entry_weights.data_ptr<acc_t>(), entry_order, team_log2,
-          reinterpret_cast<uint4*>(grad_value.data_ptr()), zero_vectors);
+          gap_list.data_ptr<int32_t>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     };
     if (lane > 1) {
@@ -489,11 +560,13 @@ Gradients sorted_deterministic_backward(const ProblemTensors& problem, const at:
           sorted_keys.data_ptr<int32_t>(), order.data_ptr<int32_t>(), entry_weights.data_ptr<acc_t>(), entries, go,
           entry_order, static_cast<int>(problem.num_keys), static_cast<int>(problem.batch * problem.heads),
           static_cast<int>(problem.channels), team_log2, partials.data_ptr<acc_t>(), chunk_flags.data_ptr<int32_t>(),
-          trailing_cells.data_ptr<int32_t>(), reinterpret_cast<scalar_t*>(grad_value.data_ptr()));
+          trailing_cells.data_ptr<int32_t>(), reinterpret_cast<scalar_t*>(grad_value.data_ptr()), untouched);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
-      carry_kernel<<<blocks_for(chunks << team_log2), kThreads, 0, stream>>>(
+      // At least two blocks per SM, for the listed gaps' segments.
+      const int64_t carry_blocks = std::max<int64_t>(blocks_for(chunks << team_log2), 2 * multiprocessor_count());
+      carry_kernel<<<carry_blocks, kThreads, 0, stream>>>(
           trailing_cells.data_ptr<int32_t>(), partials.data_ptr<acc_t>(), chunk_flags.data_ptr<int32_t>(), chunks,
-          static_cast<int>(problem.channels), team_log2, reinterpret_cast<scalar_t*>(grad_value.data_ptr()));
+          static_cast<int>(problem.channels), team_log2, reinterpret_cast<scalar_t*>(grad_value.data_ptr()), untouched);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     };
     if (lane > 1) {
