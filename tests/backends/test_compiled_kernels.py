@@ -729,17 +729,21 @@ def test_sorted_deterministic_backward_against_float64(monkeypatch, backend, dty
         assert torch.equal(a, b)
 
 
-# Cases for the sorted backward's untouched rows: a sparse decoder (short gaps between touched
-# cells), a wide sparse one (gaps longer than a chunk's warp zeroes itself), 6- and 3-channel rows
-# (4- and 2-byte stores in fp16), and one full chunk of 32 entries (its last lane zeroes the cells
-# after the last touched one).
+# Cases for the sorted backward's untouched rows. Sparse decoders (under two corners per key, and a
+# grad_value that fits the L2) have grad_value filled first; dense ones have their untouched rows
+# zeroed where the chunk kernel finds them: 32-, 6- and 3-channel rows (16-, 4- and 2-byte stores
+# in fp16), and full chunks of 32 entries (the last lane zeroes the cells after the last touched).
 UNTOUCHED_CASES = [
     SPARSE_DECODER,
     ("wide_sparse_bs2", [(96, 128), (48, 64)], 2, 10, 2, 32, 1, "local"),
-    ("sparse_c6", [(40, 60), (20, 30)], 2, 20, 3, 6, 2, "local"),
-    ("sparse_c3", [(40, 50)], 2, 20, 2, 3, 2, "local"),
-    ("one_full_chunk", [(12, 10)], 1, 8, 1, 16, 1, "local"),
+    ("dense_decoder", [(16, 24), (8, 12)], 2, 100, 4, 32, 2, "local"),
+    ("dense_c6", [(10, 12), (5, 6)], 2, 24, 3, 6, 2, "local"),
+    ("dense_c3", [(12, 10)], 2, 40, 2, 3, 2, "local"),
+    ("dense_full_chunks", [(8, 8)], 1, 32, 1, 16, 1, "local"),
 ]
+# Dense (2.1 corners per key) over 24,000 cells: with every corner outside, one gap longer than a
+# warp zeroes itself, listed in segments for the carry launch's blocks.
+DENSE_WIDE_DECODER = ("dense_wide", [(40, 60), (20, 30)], 2, 400, 4, 32, 2, "local")
 
 
 def backward_over_poisoned_memory(monkeypatch, problem, grad_output, backend, layout="sorted"):
@@ -754,8 +758,8 @@ def backward_over_poisoned_memory(monkeypatch, problem, grad_output, backend, la
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", UNTOUCHED_CASES, ids=lambda c: c[0])
 def test_sorted_backward_zeroes_every_untouched_row(monkeypatch, backend, dtype, case):
-    """The sorted backward writes every row of grad_value without a fill: the rows no corner
-    touches are zero (exactly where float64's are), over memory that held NaN."""
+    """The sorted backward writes every row of grad_value, filled first or zeroed in place: the
+    rows no corner touches are zero (exactly where float64's are), over memory that held NaN."""
     problem = cuda_problem(case, dtype, seed=79)
     skip_unless_supported(backend, validate(*problem.args()))
     _, grad_output, exact_grads, _ = float64_answers(problem, dtype)
@@ -771,7 +775,7 @@ def test_sorted_backward_zeroes_every_untouched_row(monkeypatch, backend, dtype,
 def test_sorted_backward_with_every_corner_outside_is_zero(monkeypatch, backend):
     """No corner inside any level: every cell is one gap, listed in segments and zeroed by the
     carry launch's blocks; all three gradients are zero."""
-    problem = cuda_problem(SPARSE_DECODER, torch.float32, seed=83)
+    problem = cuda_problem(DENSE_WIDE_DECODER, torch.float32, seed=83)
     skip_unless_supported(backend, validate(*problem.args()))
     problem.sampling_locations.fill_(-3.0)
     grad_output = torch.randn(*problem.sampling_locations.shape[:2], problem.value.shape[2] * problem.value.shape[3],

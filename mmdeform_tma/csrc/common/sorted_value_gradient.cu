@@ -117,14 +117,23 @@ EntryOrder entry_order_of(const ProblemTensors& problem) {
 
 // Step 1: a team per sampling point (item, level, point), numbered as locations are. Lane 0
 // writes the point's gradients and its four entries; the team's lanes share the dot products.
-// The first thread also zeroes the count of long gaps (UntouchedRows) that step 3 appends to.
+// First, where step 3 does not zero the untouched rows itself (UntouchedRows::in_place), every
+// thread of the grid zeroes its share of grad_value: stores that overlap the points' loads (a
+// memset before the kernel took 6 (fp16) to 12 us (fp32) of DETR's decoder on its own; fused, the
+// kernel grew by 4-5 us: H100, session 32). The first thread also zeroes the count of listed
+// gaps that step 3 appends to.
 template <typename scalar_t, int LANE>
 __global__ void __launch_bounds__(kThreads) sorted_point_gradients_kernel(
     const Problem<scalar_t> p, const scalar_t* __restrict__ grad_output, coord_type<scalar_t>* __restrict__ grad_locations,
     coord_type<scalar_t>* __restrict__ grad_weights, int32_t* __restrict__ keys, int32_t* __restrict__ entry_index,
-    acc_type<scalar_t>* __restrict__ entry_weights, const EntryOrder order, int team_log2, int32_t* __restrict__ long_gaps) {
+    acc_type<scalar_t>* __restrict__ entry_weights, const EntryOrder order, int team_log2, int32_t* __restrict__ long_gaps,
+    uint4* __restrict__ zero_fill, int64_t zero_vectors) {
   using coord_t = coord_type<scalar_t>;
   using acc_t = acc_type<scalar_t>;
+  const int64_t threads = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < zero_vectors; i += threads) {
+    zero_fill[i] = make_uint4(0u, 0u, 0u, 0u);
+  }
   if (blockIdx.x == 0 && threadIdx.x == 0) *long_gaps = 0;
   const int team = 1 << team_log2;
   const int lane = threadIdx.x & (team - 1);
@@ -217,25 +226,34 @@ __global__ void __launch_bounds__(kThreads) sorted_point_gradients_kernel(
 }
 
 // The cells no corner touches: the ranks between consecutive distinct ranks of the sorted entries
-// (and before the first, and after the last up to the invalid corners' rank). Their rows are
-// zeroed where they are found instead of filling all of grad_value first: on DINO's fp32 decoder
-// the fill was 8.7 us of the deterministic backward's 137, in the point kernel and in the
-// write-backs that slowed the sums (H100, 2026-11-26, perf_notes item 82). A chunk's warp zeroes
-// its gaps of up to kInlineGapRows rows; longer ones are cut into segments of as many rows,
+// (and before the first, and after the last up to the invalid corners' rank). Where few rows are
+// untouched, or the fill would not stay in the L2, their rows are zeroed where they are found
+// instead of filling all of grad_value first (UntouchedRows::in_place, chosen on the host): on
+// DINO's fp32 decoder the fill was 8.7 us of the deterministic backward's 137, in the point kernel
+// and in the write-backs that slowed the sums; zeroing in place saved 6 us there and 17 us on
+// DETR's bs 8 decoder, but cost 12 us on DETR's bs 2 one, where 4 in 10 rows are untouched and
+// the 41 MB fill stays in the L2 (H100, 2026-11-26, perf_notes item 82). A chunk's warp zeroes
+// its gaps of up to kInlineGapRows rows; longer ones are cut into segments of kListedGapRows,
 // listed, and zeroed by the carry launch's blocks, one segment each, so that a large untouched
-// region (a problem whose corners all miss, say) is spread over the GPU.
-constexpr int kInlineGapRows = 256;
+// region (a problem whose corners all miss, say) is spread over the GPU. Listing costs an atomic
+// on one word: at 256 rows DETR's decoder listed so many gaps that its chunk kernel took 39 us
+// against 16.
+constexpr int kInlineGapRows = 4096;
+constexpr int kListedGapRows = 256;
 
 struct UntouchedRows {
+  bool in_place;  // false: the point kernel fills grad_value, and nothing below runs
   char* grad_value;
   int num_keys, groups, heads;  // a rank is pixel x groups + (batch x heads + head)
-  int row_units, unit_bytes;    // a row of grad_value as row_units stores of unit_bytes (16, 8, 4 or 2)
-  int32_t* count;               // [0]: listed segments; then (first rank, rows) pairs
-  int64_t capacity;             // segments the list holds
+  FastDivisor by_groups, by_heads;
+  int row_units, unit_bytes;  // a row of grad_value as row_units stores of unit_bytes (16, 8, 4 or 2)
+  FastDivisor by_row_units;
+  int32_t* count;    // [0]: listed segments; then (first rank, rows) pairs
+  int64_t capacity;  // segments the list holds
 
   __device__ __forceinline__ void zero_unit(int rank, int unit) const {
-    const int pixel = rank / groups, group = rank - pixel * groups;
-    const int batch = group / heads, head = group - batch * heads;
+    const int pixel = static_cast<int>(by_groups.divide(rank)), group = rank - pixel * groups;
+    const int batch = static_cast<int>(by_heads.divide(group)), head = group - batch * heads;
     const int64_t row = (static_cast<int64_t>(batch) * num_keys + pixel) * heads + head;
     char* at = grad_value + (row * row_units + unit) * unit_bytes;
     switch (unit_bytes) {
@@ -252,19 +270,46 @@ struct UntouchedRows {
         *reinterpret_cast<uint16_t*>(at) = 0u;
     }
   }
-  // Rows [first, first + rows) of the rank order, by `threads` threads of which this is `thread`.
+  // Rows [first, first + rows) of the rank order (rows <= kListedGapRows), by `threads` threads of
+  // which this is `thread`.
   __device__ __forceinline__ void zero(int first, int rows, int thread, int threads) const {
-    const int64_t units = static_cast<int64_t>(rows) * row_units;
-    for (int64_t u = thread; u < units; u += threads) {
-      zero_unit(first + static_cast<int>(u / row_units), static_cast<int>(u % row_units));
+    for (int u = thread; u < rows * row_units; u += threads) {
+      const int row = static_cast<int>(by_row_units.divide(u));
+      zero_unit(first + row, u - row * row_units);
+    }
+  }
+  // A warp's gaps at once: lane l's gap holds `rows` rows from rank `first` (0 rows: none). The
+  // warp's lanes walk the gaps' units as one run, each finding its gap by a binary search over
+  // the lanes' running sums: on DETR's decoder a chunk has about nine short gaps, which one loop
+  // per gap zeroed with a few lanes each.
+  __device__ __forceinline__ void zero_warp_gaps(int first, int rows, int lane) const {
+    int end = rows;  // inclusive running sum of the lanes' rows
+#pragma unroll
+    for (int offset = 1; offset < 32; offset <<= 1) {
+      const int below = __shfl_up_sync(0xffffffffu, end, offset);
+      if (lane >= offset) end += below;
+    }
+    const int total = __shfl_sync(0xffffffffu, end, 31) * row_units;
+    for (int base = 0; base < total; base += 32) {  // the same trip count on every lane
+      const int u = base + lane;
+      const int row = static_cast<int>(by_row_units.divide(u));
+      int owner = 0;  // the first lane whose running sum passes `row`
+#pragma unroll
+      for (int step = 16; step > 0; step >>= 1) {
+        const int probe = __shfl_sync(0xffffffffu, end, owner + step - 1);
+        if (probe <= row) owner += step;
+      }
+      const int owner_first = __shfl_sync(0xffffffffu, first, owner);
+      const int owner_start = __shfl_sync(0xffffffffu, end - rows, owner);
+      if (u < total) zero_unit(owner_first + row - owner_start, u - row * row_units);
     }
   }
   __device__ __forceinline__ void list(int first, int rows) const {
-    const int segments = (rows + kInlineGapRows - 1) / kInlineGapRows;
+    const int segments = (rows + kListedGapRows - 1) / kListedGapRows;
     const int at = atomicAdd(count, segments);
     for (int k = 0; k < segments && at + k < capacity; ++k) {
-      count[1 + 2 * (at + k)] = first + k * kInlineGapRows;
-      count[2 + 2 * (at + k)] = min(kInlineGapRows, rows - k * kInlineGapRows);
+      count[1 + 2 * (at + k)] = first + k * kListedGapRows;
+      count[2 + 2 * (at + k)] = min(kListedGapRows, rows - k * kListedGapRows);
     }
   }
 };
@@ -364,16 +409,16 @@ __global__ void __launch_bounds__(kThreads) sorted_chunk_sums_kernel(
   // The untouched cells below each boundary's rank (lanes past the last entry carry the invalid
   // rank, so the last chunk's boundary there covers the cells after the last touched one; a full
   // last chunk's final lane covers them itself).
-  const int gap = key != before ? key - before - 1 : 0;
-  const int final_gap = lane == 31 && i == entries - 1 && key < no_cell ? no_cell - key - 1 : 0;
-  if (gap > kInlineGapRows) untouched.list(before + 1, gap);
-  if (final_gap > 0) untouched.list(key + 1, final_gap);
-  for (unsigned pending_gaps = __ballot_sync(0xffffffffu, gap > 0 && gap <= kInlineGapRows); pending_gaps != 0u;
-       pending_gaps &= pending_gaps - 1u) {
-    const int source = __ffs(pending_gaps) - 1;
-    untouched.zero(__shfl_sync(0xffffffffu, before + 1, source), __shfl_sync(0xffffffffu, gap, source), lane, 32);
+  if (untouched.in_place) {
+    const int gap = key != before ? key - before - 1 : 0;
+    if (gap > kInlineGapRows) untouched.list(before + 1, gap);
+    untouched.zero_warp_gaps(before + 1, gap <= kInlineGapRows ? gap : 0, lane);
+    if (base + 32 == entries) {  // a full last chunk: its last lane's key may not be the last rank
+      const int final_gap = lane == 31 && key < no_cell ? no_cell - key - 1 : 0;
+      if (final_gap > kInlineGapRows) untouched.list(key + 1, final_gap);
+      untouched.zero_warp_gaps(key + 1, final_gap <= kInlineGapRows ? final_gap : 0, lane);
+    }
   }
-  __syncwarp();
   const int teams = 32 >> team_log2, team = lane >> team_log2;
   const int channel = (lane & ((1 << team_log2) - 1)) * LANE;
   const bool active = channel < channels;
@@ -394,12 +439,11 @@ __global__ void __launch_bounds__(kThreads) sorted_chunk_sums_kernel(
     }
   }
   __syncwarp();
-  if (!active) return;  // no collectives below
   // Piece r goes to team r mod teams, all teams at once. A loop over the pieces in which one team
   // summed while the others skipped ran them one after another: 30 us on DETR's fp16 decoder
   // against 13 us side by side (H100, session 32, perf_notes item 71).
   const unsigned pending = starts | (lead ? 1u : 0u);
-  const int pieces = __popc(pending);
+  const int pieces = active ? __popc(pending) : 0;  // lanes past the channels sum nothing
   for (int r = team; r < pieces; r += teams) {
     const int first = nth_set_bit(pending, r);
     const unsigned later = first == 31 ? 0u : boundaries & ~((2u << first) - 1u);
@@ -434,24 +478,27 @@ __global__ void __launch_bounds__(kThreads) sorted_carry_kernel(
     const int32_t* __restrict__ chunk_flags, int64_t chunks, int channels, int team_log2, scalar_t* __restrict__ grad_value,
     const UntouchedRows untouched) {
   using acc_t = acc_type<scalar_t>;
+  const int64_t chunk = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> team_log2;
+  const int channel = (threadIdx.x & ((1 << team_log2) - 1)) * LANE;
+  if (chunk < chunks && channel < channels && (chunk_flags[chunk] & kTrailing)) {
+    acc_t sum[LANE];
+    const acc_t* own = partials + (2 * chunk + 1) * channels + channel;
+#pragma unroll
+    for (int v = 0; v < LANE; ++v) sum[v] = own[v];
+    for (int64_t next = chunk + 1; next < chunks; ++next) {
+      const acc_t* lead = partials + 2 * next * channels + channel;
+#pragma unroll
+      for (int v = 0; v < LANE; ++v) sum[v] += lead[v];
+      if (chunk_flags[next] & kLeadEndsHere) break;
+    }
+    store_lane(grad_value + static_cast<int64_t>(trailing_cells[chunk]) * channels + channel, from_acc_vec<scalar_t, LANE>(sum));
+  }
+  // The listed long gaps, a block per segment.
+  if (!untouched.in_place) return;
   const int segments = static_cast<int>(min(static_cast<int64_t>(*untouched.count), untouched.capacity));
   for (int segment = blockIdx.x; segment < segments; segment += gridDim.x) {
     untouched.zero(untouched.count[1 + 2 * segment], untouched.count[2 + 2 * segment], threadIdx.x, blockDim.x);
   }
-  const int64_t chunk = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> team_log2;
-  const int channel = (threadIdx.x & ((1 << team_log2) - 1)) * LANE;
-  if (chunk >= chunks || channel >= channels || !(chunk_flags[chunk] & kTrailing)) return;
-  acc_t sum[LANE];
-  const acc_t* own = partials + (2 * chunk + 1) * channels + channel;
-#pragma unroll
-  for (int v = 0; v < LANE; ++v) sum[v] = own[v];
-  for (int64_t next = chunk + 1; next < chunks; ++next) {
-    const acc_t* lead = partials + 2 * next * channels + channel;
-#pragma unroll
-    for (int v = 0; v < LANE; ++v) sum[v] += lead[v];
-    if (chunk_flags[next] & kLeadEndsHere) break;
-  }
-  store_lane(grad_value + static_cast<int64_t>(trailing_cells[chunk]) * channels + channel, from_acc_vec<scalar_t, LANE>(sum));
 }
 
 // Step 2: a stable radix sort of the entries by pixel over the bits the pixels need (cub's sort is
@@ -493,8 +540,8 @@ Gradients sorted_deterministic_backward(const ProblemTensors& problem, const at:
   const auto coordinate_grads = coordinate_gradients(problem);
   const at::Tensor& grad_locations = coordinate_grads.first;
   const at::Tensor& grad_weights = coordinate_grads.second;
-  // Every row is written by step 3: summed, or zeroed as untouched (at::zeros would also fill
-  // under torch's deterministic mode).
+  // Every row is written: by step 3, summed or zeroed as untouched, or zeroed by the point kernel
+  // first (at::zeros would also fill under torch's deterministic mode).
   at::Tensor grad_value = uninitialized(problem.value.sizes(), problem.value.options());
   const int64_t points = problem.num_items() * problem.levels * problem.points;
   const bool empty = problem.empty_output() || points == 0;
@@ -524,22 +571,44 @@ Gradients sorted_deterministic_backward(const ProblemTensors& problem, const at:
          (row_bytes % unit_bytes != 0 || reinterpret_cast<uintptr_t>(grad_value.data_ptr()) % unit_bytes != 0)) {
     unit_bytes /= 2;
   }
-  // Long gaps: a segment per kInlineGapRows rows, and one more per gap longer than that.
+  // Listed gaps: a segment per kListedGapRows rows, and one more per gap.
   const int64_t cells = problem.batch * problem.num_keys * problem.heads;
-  const int64_t capacity = 2 * (cells / kInlineGapRows) + 4;
+  const int64_t capacity = 2 * (cells / kListedGapRows) + 4;
   const at::Tensor gap_list = uninitialized({1 + 2 * capacity}, int_options);
-  const UntouchedRows untouched{static_cast<char*>(grad_value.data_ptr()), static_cast<int>(problem.num_keys),
-                                static_cast<int>(problem.batch * problem.heads), static_cast<int>(problem.heads),
-                                static_cast<int>(row_bytes / unit_bytes), unit_bytes, gap_list.data_ptr<int32_t>(), capacity};
+  const int groups = static_cast<int>(problem.batch * problem.heads), row_units = static_cast<int>(row_bytes / unit_bytes);
+  // In place where a (batch, head) has at least two corners per key (at most e^-2 of its rows
+  // untouched), or where grad_value exceeds the L2 (the fill would go to DRAM): perf_notes item 82.
+  const bool in_place = 4 * problem.queries * problem.levels * problem.points >= 2 * problem.num_keys ||
+                        static_cast<int64_t>(grad_value.nbytes()) > current_device_attribute(cudaDevAttrL2CacheSize);
+  // The fill's 16-byte stores, and the rest, under 16 bytes, by a memset.
+  const int64_t zero_vectors = in_place ? 0 : grad_value.nbytes() / 16;
+  const int64_t zero_tail = in_place ? 0 : grad_value.nbytes() - 16 * zero_vectors;
+  if (zero_tail > 0) {
+    C10_CUDA_CHECK(cudaMemsetAsync(static_cast<char*>(grad_value.data_ptr()) + 16 * zero_vectors, 0, zero_tail, stream));
+  }
+  const UntouchedRows untouched{in_place,
+                                static_cast<char*>(grad_value.data_ptr()),
+                                static_cast<int>(problem.num_keys),
+                                groups,
+                                static_cast<int>(problem.heads),
+                                fast_divisor(static_cast<uint32_t>(groups)),
+                                fast_divisor(static_cast<uint32_t>(problem.heads)),
+                                row_units,
+                                unit_bytes,
+                                fast_divisor(static_cast<uint32_t>(row_units)),
+                                gap_list.data_ptr<int32_t>(),
+                                capacity};
   MMDEFORM_TMA_DISPATCH_VALUE_TYPES(problem.value.scalar_type(), "mmdeform_tma sorted backward", [&] {
     using coord_t = coord_type<scalar_t>;
     using acc_t = acc_type<scalar_t>;
     const auto* go = reinterpret_cast<const scalar_t*>(grad_output.data_ptr());
     const auto launch_points = [&](auto kernel) {
-      kernel<<<blocks_for(points << team_log2), kThreads, 0, stream>>>(
+      // Enough threads that none zeroes more than 8 vectors when the points are few.
+      const int64_t blocks = std::max(blocks_for(points << team_log2), blocks_for((zero_vectors + 7) / 8));
+      kernel<<<blocks, kThreads, 0, stream>>>(
           problem.problem<scalar_t>(), go, grad_locations.data_ptr<coord_t>(), grad_weights.data_ptr<coord_t>(),
           keys.data_ptr<int32_t>(), index.data_ptr<int32_t>(), entry_weights.data_ptr<acc_t>(), entry_order, team_log2,
-          gap_list.data_ptr<int32_t>());
+          gap_list.data_ptr<int32_t>(), reinterpret_cast<uint4*>(grad_value.data_ptr()), zero_vectors);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     };
     if (lane > 1) {
