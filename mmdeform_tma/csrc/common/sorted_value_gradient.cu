@@ -117,7 +117,7 @@ EntryOrder entry_order_of(const ProblemTensors& problem) {
 
 // Step 1: a team per sampling point (item, level, point), numbered as locations are. Lane 0
 // writes the point's gradients and its four entries; the team's lanes share the dot products.
-// First, where step 3 does not zero the untouched rows itself (UntouchedRows::in_place), every
+// First, where step 3 does not zero the untouched rows itself (UnsampledRows::in_place), every
 // thread of the grid zeroes its share of grad_value: stores that overlap the points' loads (a
 // memset before the kernel took 6 (fp16) to 12 us (fp32) of DETR's decoder on its own; fused, the
 // kernel grew by 4-5 us: H100, session 32). The first thread also zeroes the count of listed
@@ -228,7 +228,7 @@ __global__ void __launch_bounds__(kThreads) sorted_point_gradients_kernel(
 // The cells no corner touches: the ranks between consecutive distinct ranks of the sorted entries
 // (and before the first, and after the last up to the invalid corners' rank). Where few rows are
 // untouched, or the fill would not stay in the L2, their rows are zeroed where they are found
-// instead of filling all of grad_value first (UntouchedRows::in_place, chosen on the host): on
+// instead of filling all of grad_value first (UnsampledRows::in_place, chosen on the host): on
 // DINO's fp32 decoder the fill was 8.7 us of the deterministic backward's 137, in the point kernel
 // and in the write-backs that slowed the sums; zeroing in place saved 6 us there and 17 us on
 // DETR's bs 8 decoder, but cost 12 us on DETR's bs 2 one, where 4 in 10 rows are untouched and
@@ -241,7 +241,8 @@ __global__ void __launch_bounds__(kThreads) sorted_point_gradients_kernel(
 constexpr int kInlineGapRows = 4096;
 constexpr int kListedGapRows = 256;
 
-struct UntouchedRows {
+// Not "touched": the touched-cells layout's kernels are told apart by that word in their names.
+struct UnsampledRows {
   bool in_place;  // false: the point kernel fills grad_value, and nothing below runs
   char* grad_value;
   int num_keys, groups, heads;  // a rank is pixel x groups + (batch x heads + head)
@@ -357,7 +358,7 @@ __global__ void __launch_bounds__(kThreads) sorted_chunk_sums_kernel(
     const acc_type<scalar_t>* __restrict__ entry_weights, int64_t entries, const scalar_t* __restrict__ grad_output,
     const EntryOrder entry_order, int num_keys, int groups, int channels, int team_log2,
     acc_type<scalar_t>* __restrict__ partials, int32_t* __restrict__ chunk_flags, int32_t* __restrict__ trailing_cells,
-    scalar_t* __restrict__ grad_value, const UntouchedRows untouched) {
+    scalar_t* __restrict__ grad_value, const UnsampledRows untouched) {
   using acc_t = acc_type<scalar_t>;
   extern __shared__ __align__(16) unsigned char chunk_stage[];
   const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
@@ -476,7 +477,7 @@ template <typename scalar_t, int LANE>
 __global__ void __launch_bounds__(kThreads) sorted_carry_kernel(
     const int32_t* __restrict__ trailing_cells, const acc_type<scalar_t>* __restrict__ partials,
     const int32_t* __restrict__ chunk_flags, int64_t chunks, int channels, int team_log2, scalar_t* __restrict__ grad_value,
-    const UntouchedRows untouched) {
+    const UnsampledRows untouched) {
   using acc_t = acc_type<scalar_t>;
   const int64_t chunk = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> team_log2;
   const int channel = (threadIdx.x & ((1 << team_log2) - 1)) * LANE;
@@ -586,7 +587,7 @@ Gradients sorted_deterministic_backward(const ProblemTensors& problem, const at:
   if (zero_tail > 0) {
     C10_CUDA_CHECK(cudaMemsetAsync(static_cast<char*>(grad_value.data_ptr()) + 16 * zero_vectors, 0, zero_tail, stream));
   }
-  const UntouchedRows untouched{in_place,
+  const UnsampledRows untouched{in_place,
                                 static_cast<char*>(grad_value.data_ptr()),
                                 static_cast<int>(problem.num_keys),
                                 groups,
