@@ -7,17 +7,19 @@
 // DINO's at 3.9x (H100, 2026-11-26; perf_notes item 70). Where a (batch, head) has few corners per
 // key, sorting them is cheaper (1.15-1.4x the fast backward in fp16/bf16, 1.5-1.8x in fp32, on
 // those decoders; H100, 2026-11-26, 1e6b27a, perf_notes item 71):
-//   1. a team of lanes per sampling point zeroes its share of grad_value, writes its location and
-//      attention gradients (as every backward kernel does) and, for each of its four corners, an
-//      entry: the corner's pixel and its weight attention x bilinear. The entries are laid out a
-//      (batch, head) at a time, then in the points' order;
+//   1. a team of lanes per sampling point writes its location and attention gradients (as every
+//      backward kernel does) and, for each of its four corners, an entry: the corner's pixel and
+//      its weight attention x bilinear. The entries are laid out a (batch, head) at a time, then in
+//      the points' order. Where most of grad_value is untouched (sparse decoders whose grad_value
+//      fits the L2), the kernel also zeroes grad_value first;
 //   2. cub's stable radix sort of the entries by pixel: a (batch, pixel, head) cell's entries end up
 //      contiguous and in (query, level, point, corner) order, which depends only on the problem's
 //      shape; a pixel needs fewer key bits than a cell, hence fewer passes;
 //   3. a warp per 32 sorted entries stages their output-gradient rows in shared memory, and its teams
 //      of lanes sum the chunk's pieces of cells side by side, each weight x row in sorted order, in
 //      fp32 (fp64 for fp64 values); a cell that crosses chunks is finished by adding its pieces in
-//      chunk order. Rows are written in value's dtype; untouched cells stay zero.
+//      chunk order. Rows are written in value's dtype. Where step 1 did not zero grad_value, the
+//      untouched cells' rows (the ranks between consecutive sorted ranks) are zeroed here.
 // No atomics, so the result is bitwise reproducible, and its rounding is that of the fast path's
 // fp32 sums rather than fixed point's quantum. Non-finite contributions propagate as IEEE addition
 // does (0 x Inf is NaN, as in the atomic sums).
