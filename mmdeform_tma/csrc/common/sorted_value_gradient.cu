@@ -231,13 +231,13 @@ __global__ void __launch_bounds__(kThreads) sorted_point_gradients_kernel(
 // instead of filling all of grad_value first (UnsampledRows::in_place, chosen on the host): on
 // DINO's fp32 decoder the fill was 8.7 us of the deterministic backward's 137, in the point kernel
 // and in the write-backs that slowed the sums; zeroing in place saved 6 us there and 17 us on
-// DETR's bs 8 decoder, but cost 12 us on DETR's bs 2 one, where 4 in 10 rows are untouched and
+// DETR's bs 8 decoder, but cost 12 us on DETR's bs 2 one, where about 4 in 10 rows are untouched and
 // the 41 MB fill stays in the L2 (H100, 2026-11-26, perf_notes item 82). A chunk's warp zeroes
 // its gaps of up to kInlineGapRows rows; longer ones are cut into segments of kListedGapRows,
 // listed, and zeroed by the carry launch's blocks, one segment each, so that a large untouched
-// region (a problem whose corners all miss, say) is spread over the GPU. Listing costs an atomic
-// on one word: at 256 rows DETR's decoder listed so many gaps that its chunk kernel took 39 us
-// against 16.
+// region (a problem whose corners all miss, say) is spread over the GPU. The inline bound keeps a
+// warp's wait bounded and lists only gaps that real sampling rarely leaves (raising it from 256
+// did not change the chunk kernel's time on DETR's decoder: 39 us in place either way).
 constexpr int kInlineGapRows = 4096;
 constexpr int kListedGapRows = 256;
 
