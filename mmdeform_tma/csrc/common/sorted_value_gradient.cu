@@ -435,6 +435,9 @@ __global__ void __launch_bounds__(kThreads) sorted_chunk_sums_kernel(
       untouched.zero_warp_gaps(key + 1, final_gap <= kInlineGapRows ? final_gap : 0, lane);
     }
   }
+  // Orders the lanes' writes of cells, items and weights before other lanes read them below (the
+  // shuffles above do not order shared memory; racecheck flagged its absence, session 38).
+  __syncwarp();
   const int teams = 32 >> team_log2, team = lane >> team_log2;
   const int channel = (lane & ((1 << team_log2) - 1)) * LANE;
   const bool active = channel < channels;
