@@ -5,6 +5,7 @@ the tools' packing code: per (batch, query, head) the levels x K (x, y) pairs, t
 softmax over all of them, pixel = loc * size - 0.5, sampled when strictly inside (-1, size), zero outside.
 """
 
+import importlib.metadata
 import json
 import sys
 import types
@@ -98,6 +99,15 @@ def fake_dcnv4(monkeypatch):
     monkeypatch.setitem(sys.modules, "DCNv4.functions", functions)
     monkeypatch.setitem(sys.modules, "DCNv4.functions.flash_deform_attn_func", module)
     monkeypatch.setattr(EmulatedFlashDeformAttnFunction, "fail_backward_for", set())
+    # The fake has no package metadata, also where the real DCNv4 is installed (the device machine).
+    real_version = importlib.metadata.version
+
+    def version_without_dcnv4(name):
+        if name.lower() == "dcnv4":
+            raise importlib.metadata.PackageNotFoundError(name)
+        return real_version(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", version_without_dcnv4)
     dcnv4_compare.load.cache_clear()
     yield EmulatedFlashDeformAttnFunction
     dcnv4_compare.load.cache_clear()
