@@ -122,9 +122,10 @@ EntryOrder entry_order_of(const ProblemTensors& problem) {
 // memset before the kernel took 6 (fp16) to 12 us (fp32) of DETR's decoder on its own; fused, the
 // kernel grew by 4-5 us: H100, session 32). The first thread also zeroes the count of listed
 // gaps that step 3 appends to. kFill false: the fill's loop is not compiled in. Only fp16/bf16 take
-// that kernel where step 3 zeroes in place: on DINO's decoder (H100, session 38) fp16 ran 0.1248 ->
-// 0.1188 ms without the loop and bf16 0.1209 -> 0.1200, while fp32's kernel without it was 2.6 %
-// slower there and 3.2 % on DETR's bs 8 decoder (ptxas gave it 54 registers against 44).
+// that kernel where step 3 zeroes in place: on DINO's decoder fp16 ran 0.1248 -> 0.1188 ms without
+// the loop and bf16 0.1209 -> 0.1200, while fp32's kernel without it was 2.6 % slower there and
+// 3.2 % on DETR's bs 8 decoder, ptxas giving it 54 registers against 44 (H100, 2026-11-26, branch
+// e895030 against c70d853 in one call; perf_notes item 83).
 template <typename scalar_t, int LANE, bool kFill = true>
 __global__ void __launch_bounds__(kThreads) sorted_point_gradients_kernel(
     const Problem<scalar_t> p, const scalar_t* __restrict__ grad_output, coord_type<scalar_t>* __restrict__ grad_locations,
