@@ -729,21 +729,24 @@ def test_sorted_deterministic_backward_against_float64(monkeypatch, backend, dty
         assert torch.equal(a, b)
 
 
-# Cases for the sorted backward's untouched rows. Sparse decoders (under two corners per key, and a
-# grad_value that fits the L2) have grad_value filled first; dense ones have their untouched rows
-# zeroed where the chunk kernel finds them: 32-, 6- and 3-channel rows (16-, 4- and 2-byte stores
-# in fp16), and full chunks of 32 entries (the last lane zeroes the cells after the last touched).
+# Cases for the sorted backward's untouched rows. Where one block sorts each (batch, head, level)'s
+# entries (queries x points x 4 corners, at most 14,848), grad_value is filled first, sparse or
+# dense. Past that, cub sorts and dense problems (two corners per key or more) have their untouched
+# rows zeroed where the chunk kernel finds them: 32-, 6- and 3-channel rows (16-, 4- and 2-byte
+# stores in fp16), and full chunks of 32 entries (the last lane zeroes the cells after the last
+# touched); 1,900 queries x 2 points (15,200 entries) over 6,000 keys is 2.5 corners per key.
 UNTOUCHED_CASES = [
     SPARSE_DECODER,
     ("wide_sparse_bs2", [(96, 128), (48, 64)], 2, 10, 2, 32, 1, "local"),
-    ("dense_decoder", [(16, 24), (8, 12)], 2, 100, 4, 32, 2, "local"),
-    ("dense_c6", [(10, 12), (5, 6)], 2, 24, 3, 6, 2, "local"),
-    ("dense_c3", [(12, 10)], 2, 40, 2, 3, 2, "local"),
-    ("dense_full_chunks", [(8, 8)], 1, 32, 1, 16, 1, "local"),
+    ("dense_decoder_filled", [(16, 24), (8, 12)], 2, 100, 4, 32, 2, "local"),
+    ("dense_decoder", [(60, 100)], 2, 1900, 2, 32, 2, "local"),
+    ("dense_c6", [(60, 100)], 2, 1900, 3, 6, 2, "local"),
+    ("dense_c3", [(60, 100)], 2, 1900, 2, 3, 2, "local"),
+    ("dense_full_chunks", [(60, 100)], 1, 3720, 1, 16, 1, "local"),
 ]
-# Dense (2.1 corners per key) over 24,000 cells: with every corner outside, one gap longer than a
-# warp zeroes itself, listed in segments for the carry launch's blocks.
-DENSE_WIDE_DECODER = ("dense_wide", [(40, 60), (20, 30)], 2, 400, 4, 32, 2, "local")
+# Dense (10 corners per key) over 24,000 cells, runs of 15,200 entries: with every corner outside,
+# one gap longer than a warp zeroes itself, listed in segments for the carry launch's blocks.
+DENSE_WIDE_DECODER = ("dense_wide", [(40, 60), (20, 30)], 2, 1900, 4, 32, 2, "local")
 
 
 def backward_over_poisoned_memory(monkeypatch, problem, grad_output, backend, layout="sorted"):
@@ -793,19 +796,63 @@ def cuda_kernel_names(fn) -> set[str]:
     return {e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA}
 
 
-# A sparse decoder over large levels: 30,720 keys x 8 heads, 0.02 corners per key. At bs 5 it has
-# 1.23 M (batch, key, head) cells, past the 2^20 from which the fast half-precision backward sorts
-# too; at bs 4, 983 K, short of it. WIDE_SPARSE_DECODER has enough cells, but 2^16 keys.
-LARGE_SPARSE_DECODER = ("large_sparse_decoder", [(128, 192), (64, 96)], 5, 40, 8, 32, 2, "local")
-WIDE_SPARSE_DECODER = ("wide_sparse_decoder", [(256, 256)], 2, 40, 8, 32, 2, "local")
+# 2^16 keys: 17 key bits beside the small block's 13 index bits.
+WIDE_KEYS_DECODER = ("wide_keys_decoder", [(256, 256)], 2, 40, 2, 8, 2, "local")
+# Level runs (queries x points x 4 corners) of 5,600 and 12,000 entries: the second and third of the
+# sorting block's shapes (to 5,120, 10,240 and 14,848 entries).
+LONG_RUN_DECODER = ("long_run_decoder", [(96, 128), (48, 64)], 2, 700, 2, 8, 2, "local")
+LONGER_RUN_DECODER = ("longer_run_decoder", [(96, 128), (48, 64)], 1, 1500, 2, 8, 2, "local")
+# Level runs of 16,000 entries, past the largest block: cub sorts (in place, at 67 corners per key).
+IN_PLACE_DECODER = ("in_place_decoder", [(16, 24), (8, 12)], 1, 1000, 2, 8, 4, "local")
 
 
 @pytest.mark.parametrize("backend", COMPILED_BACKENDS)
-def test_fast_half_precision_backward_sorts_large_sparse_problems(monkeypatch, backend):
-    """`auto` gives the fast backward the sorted layout where half-precision values are sparse, have
-    at least 2^20 cells and fewer than 2^16 keys (the kernels that ran say which layout it took);
-    its gradients match float64 and the deterministic backward's bit for bit. One batch fewer,
-    2^16 keys, or fp32 values keep the touched cells (fp32: the dense accumulator)."""
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(
+    "case, sorts_level_runs",
+    [
+        (SPARSE_DECODER, True),
+        (LONG_RUN_DECODER, True),
+        (LONGER_RUN_DECODER, True),
+        (WIDE_KEYS_DECODER, True),
+        (IN_PLACE_DECODER, False),
+    ],
+    ids=lambda c: c[0] if isinstance(c, tuple) else str(c),
+)
+def test_sorted_backward_sorts_each_level_run_in_one_block(monkeypatch, backend, dtype, case, sorts_level_runs):
+    """Where a (batch, head, level)'s entries fit a block, one launch sorts the level runs (small and
+    large blocks; 17 key bits) in place of cub's device sort, and the gradients match float64,
+    bitwise the same on a second run; past the large block, cub sorts."""
+    problem = cuda_problem(case, dtype, seed=61)
+    skip_unless_supported(backend, validate(*problem.args()))
+    _, grad_output, exact_grads, geometry32 = float64_answers(problem, dtype)
+    grads = []
+    names = cuda_kernel_names(lambda: grads.append(backward_with_layout(monkeypatch, "sorted", problem, grad_output, backend, True)))
+    if not names:
+        pytest.skip("the CUDA profiler recorded no kernels (CUPTI unavailable, e.g. under compute-sanitizer)")
+    assert any("sort_level_runs_kernel" in n for n in names) == sorts_level_runs, sorted(names)
+    assert any("DeviceRadixSort" in n for n in names) != sorts_level_runs, sorted(names)
+    for i, (what, got, want) in enumerate(zip(GRADIENT_NAMES, grads[0], exact_grads)):
+        check(got, want, f"sorted {what}", geometry32[i] if i > 0 else None)
+    again = backward_with_layout(monkeypatch, "sorted", problem, grad_output, backend, True)
+    assert all(torch.equal(a, b) for a, b in zip(grads[0], again))
+
+
+# A sparse decoder over large levels: 30,720 keys x 8 heads, 0.02 corners per key, level runs of
+# 320 entries (one block sorts each).
+LARGE_SPARSE_DECODER = ("large_sparse_decoder", [(128, 192), (64, 96)], 5, 40, 8, 32, 2, "local")
+# Level runs of 16,000 entries (2,000 queries x 2 points x 4 corners), past the large sorting block,
+# over 24,576 keys (0.65 corners per key): 49 K cells at bs 1 x 2 heads, 1.18 M at bs 6 x 8 heads.
+LONG_RUN_SPARSE = ("long_run_sparse", [(128, 192)], 1, 2000, 2, 8, 2, "local")
+LONG_RUN_SPARSE_LARGE = ("long_run_sparse_large", [(128, 192)], 6, 2000, 8, 8, 2, "local")
+
+
+@pytest.mark.parametrize("backend", COMPILED_BACKENDS)
+def test_fast_half_precision_backward_sorts_sparse_problems(monkeypatch, backend):
+    """`auto` gives the fast backward the sorted layout where half-precision values are sparse and
+    one block sorts each level run (the kernels that ran say which layout it took); its gradients
+    match float64 and the deterministic backward's bit for bit. Runs past the block sort with cub
+    from 2^20 cells and keep the touched cells below; fp32 values keep the dense accumulator."""
     problem = cuda_problem(LARGE_SPARSE_DECODER, torch.float16, seed=59)
     skip_unless_supported(backend, validate(*problem.args()))
     _, grad_output, exact_grads, geometry32 = float64_answers(problem, torch.float16)
@@ -818,21 +865,23 @@ def test_fast_half_precision_backward_sorts_large_sparse_problems(monkeypatch, b
     names = cuda_kernel_names(lambda: fast_backward(problem, grad_output))
     if not names:  # the backward always launches kernels: the profiler cannot see them
         pytest.skip("the CUDA profiler recorded no kernels (CUPTI unavailable, e.g. under compute-sanitizer)")
-    assert any("sorted_chunk_sums_kernel" in n for n in names), sorted(names)
+    assert any("sort_level_runs_kernel" in n for n in names), sorted(names)
     assert not any("touched" in n for n in names), sorted(names)
     for i, (what, got, want) in enumerate(zip(GRADIENT_NAMES, grads, exact_grads)):
         check(got, want, f"fast sorted {what}", geometry32[i] if i > 0 else None)
     deterministic = backward_with_layout(monkeypatch, "auto", problem, grad_output, backend, True)
     assert all(torch.equal(a, b) for a, b in zip(grads, deterministic))
 
-    smaller = cuda_problem(LARGE_SPARSE_DECODER[:2] + (4,) + LARGE_SPARSE_DECODER[3:], torch.float16, seed=59)
-    names = cuda_kernel_names(lambda: fast_backward(smaller, grad_output[:4]))
+    def kernels_of(case, dtype):
+        p = cuda_problem(case, dtype, seed=59)
+        go = torch.randn(*p.sampling_locations.shape[:2], p.value.shape[2] * p.value.shape[3], device="cuda", dtype=dtype)
+        return cuda_kernel_names(lambda: fast_backward(p, go))
+
+    names = kernels_of(LONG_RUN_SPARSE, torch.float16)
     assert not any("sorted_" in n for n in names) and any("touched" in n for n in names), sorted(names)
-    wide_keys = cuda_problem(WIDE_SPARSE_DECODER, torch.float16, seed=59)
-    names = cuda_kernel_names(lambda: fast_backward(wide_keys, grad_output[:2]))
-    assert not any("sorted_" in n for n in names) and any("touched" in n for n in names), sorted(names)
-    wide = cuda_problem(LARGE_SPARSE_DECODER, torch.float32, seed=59)
-    names = cuda_kernel_names(lambda: fast_backward(wide, grad_output.float()))
+    names = kernels_of(LONG_RUN_SPARSE_LARGE, torch.bfloat16)
+    assert any("DeviceRadixSort" in n for n in names) and not any("touched" in n for n in names), sorted(names)
+    names = kernels_of(LARGE_SPARSE_DECODER, torch.float32)
     assert not any("sorted_" in n for n in names), sorted(names)
 
 

@@ -209,11 +209,12 @@ GradValueLayout grad_value_layout(const ProblemTensors& problem, const at::Tenso
       return GradValueLayout::kSorted;
     }
   } else if (auto_choice && problem.value.element_size() == 2 && cross_attention &&
-             corners_per_batch_head <= problem.num_keys && problem.num_keys < kSortedFastKeys &&
-             problem.batch * problem.num_keys * problem.heads >= kSortedFastCells &&
-             sorted_backward_unsupported(problem, grad_output).empty()) {
+             corners_per_batch_head <= problem.num_keys && sorted_backward_unsupported(problem, grad_output).empty() &&
+             (sorts_level_runs(problem) ||
+              (problem.num_keys < kSortedFastKeys && problem.batch * problem.num_keys * problem.heads >= kSortedFastCells))) {
     // Sparse half-precision values: the touched cells' marking, zeroing and final pass cost more
-    // than the sort, whose cost is mostly latency, on large problems (perf_notes item 78).
+    // than the sort, where one block sorts each level run, or cub's sort on large problems, whose
+    // cost is mostly latency (perf_notes items 78 and 86).
     return GradValueLayout::kSorted;
   }
   if (forced_sorted) forced = nullptr;  // the fast backward's automatic layout

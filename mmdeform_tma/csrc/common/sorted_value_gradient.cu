@@ -2,6 +2,7 @@
 
 // The toolkit's cub: its symbols sit in a namespace versioned by release and architecture
 // (cub::CUB_300001_SM_900 with CUDA 13.0), torch's copy in at_cuda_detail, so the two cannot clash.
+#include <cub/block/block_radix_sort.cuh>
 #include <cub/device/device_radix_sort.cuh>
 
 #include "cuda_runtime_utils.h"
@@ -151,7 +152,7 @@ __global__ void __launch_bounds__(kThreads) sorted_point_gradients_kernel(
   const int64_t first_entry = order.first_entry(item, level_point);
   int32_t* point_keys = keys + first_entry;
   acc_t* point_weights = entry_weights + first_entry;
-  if (lane == 0) {  // the sort's payload: each entry's own index
+  if (lane == 0 && entry_index != nullptr) {  // cub's payload: each entry's own index
     const int32_t e = static_cast<int32_t>(first_entry);
     *reinterpret_cast<int4*>(entry_index + first_entry) = make_int4(e, e + 1, e + 2, e + 3);
   }
@@ -374,7 +375,7 @@ __global__ void __launch_bounds__(kThreads) sorted_chunk_sums_kernel(
     const acc_type<scalar_t>* __restrict__ entry_weights, int64_t entries, const scalar_t* __restrict__ grad_output,
     const EntryOrder entry_order, int num_keys, int groups, int channels, int team_log2,
     acc_type<scalar_t>* __restrict__ partials, int32_t* __restrict__ chunk_flags, int32_t* __restrict__ trailing_cells,
-    scalar_t* __restrict__ grad_value, const UnsampledRows untouched) {
+    scalar_t* __restrict__ grad_value, const UnsampledRows untouched, bool group_major) {
   using acc_t = acc_type<scalar_t>;
   extern __shared__ __align__(16) unsigned char chunk_stage[];
   const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
@@ -387,8 +388,11 @@ __global__ void __launch_bounds__(kThreads) sorted_chunk_sums_kernel(
   int32_t* items = cells + 32;
   acc_t* weights = reinterpret_cast<acc_t*>(items + 32);
   // A cell's rank in the sorted order: (pixel, batch x head); invalid corners share the last rank.
+  // Group-major (sort_level_runs_kernel's order, never in place): (batch x head, pixel) level by
+  // level, each level's invalid corners last in its run; only equal ranks matter there.
   const int32_t no_cell = num_keys * groups;
   const auto rank_of = [&](int32_t pixel, int32_t entry) {
+    if (group_major) return entry_order.group(entry) * (num_keys + 1) + pixel;
     return pixel == num_keys ? no_cell : pixel * groups + entry_order.group(entry);
   };
   const int64_t i = base + lane;
@@ -409,9 +413,10 @@ __global__ void __launch_bounds__(kThreads) sorted_chunk_sums_kernel(
   const int32_t after = __shfl_sync(0xffffffffu, edge_key, 1);
   if (lane == 0) before = edge_before;
   const unsigned boundaries = __ballot_sync(0xffffffffu, key != before);  // a cell, or the invalid corners, begins
-  const unsigned starts = __ballot_sync(0xffffffffu, key != before && key != no_cell);
-  const unsigned summed = __ballot_sync(0xffffffffu, key != no_cell);  // the entries whose rows are staged
-  const bool lead = __shfl_sync(0xffffffffu, key == before && key != no_cell, 0);  // lane 0 continues a cell
+  const bool valid = pixel != num_keys;
+  const unsigned starts = __ballot_sync(0xffffffffu, key != before && valid);
+  const unsigned summed = __ballot_sync(0xffffffffu, valid);  // the entries whose rows are staged
+  const bool lead = __shfl_sync(0xffffffffu, key == before && valid, 0);  // lane 0 continues a cell
   const int32_t first_key = __shfl_sync(0xffffffffu, key, 0);
   const int last_start = starts != 0u ? 31 - __clz(starts) : 0;
   const int32_t last_start_key = __shfl_sync(0xffffffffu, key, last_start);
@@ -535,9 +540,112 @@ void sort_entries(const at::Tensor& keys, const at::Tensor& index, at::Tensor& s
                                                  order.data_ptr<int32_t>(), n, 0, end_bit, stream));
 }
 
+// Step 2 where each (batch, head, level)'s entries fit one block: a block sorts them by pixel in
+// shared memory. A level's pixels form one range of keys, so the group's entries sorted level by
+// level are sorted by pixel, but for the level's invalid corners, which end its run instead of the
+// group's (the chunk sums compare ranks for equality only, so that is harmless). A key packs
+// (pixel << index bits | index in the level's run) and the sort reads the pixel's bits only; cub's
+// block sort is stable in the blocked arrangement, so a cell keeps its entries in EntryOrder's
+// order, as cub's device sort does. One launch of groups x levels blocks in place of cub's five
+// over all entries: DETR's bs 2 decoder sorts 64 runs of 4,800 entries in 9.1 us against cub's
+// 32.6 us with its memsets (H100, session 39, perf_notes item 86).
+constexpr int kLevelSortThreads = 512;
+// Three block shapes, the smallest that holds a run: a thread's keys set the sort's latency (DINO's
+// five levels, 8 points, bs 1: 9,600-entry runs, fp16 backward 0.0698 ms in 20 keys a thread, 0.0781
+// in 29; H100, session 39).
+// Runs to 5,120 entries (DETR's 300 queries x 4 points), 10,240 and 14,848 (900 x 4); ptxas gives
+// them 79, 111 and 127 registers (29 keys a thread is the most it fits without spilling at 512).
+constexpr int kLevelSortItems[] = {10, 20, 29};
+constexpr int index_bits_for(int capacity) { return capacity <= 1 ? 0 : 1 + index_bits_for((capacity + 1) / 2); }
+
+template <int kItems>
+__global__ void __launch_bounds__(kLevelSortThreads, 1)
+    sort_level_runs_kernel(const int32_t* __restrict__ keys, int queries, int levels, int run, int end_bit,
+                           int32_t* __restrict__ sorted_keys, int32_t* __restrict__ order) {
+  constexpr int kIndexBits = index_bits_for(kLevelSortThreads * kItems);
+  constexpr uint32_t kIndexMask = (1u << kIndexBits) - 1u;
+  using LevelSort = cub::BlockRadixSort<uint32_t, kLevelSortThreads, kItems, cub::NullType, 5, true>;
+  __shared__ typename LevelSort::TempStorage storage;
+  const int group = static_cast<int>(blockIdx.x) / levels, level = static_cast<int>(blockIdx.x) - group * levels;
+  const int level_entries = queries * run, corners_per_query = levels * run;
+  const int32_t group_first = group * queries * corners_per_query;
+  // A level's entries are a run of `run` (points x 4 corners) per query: local index q x run + r.
+  const auto entry_of = [&](int local) {
+    const int query = local / run;
+    return group_first + query * corners_per_query + level * run + (local - query * run);
+  };
+  uint32_t packed[kItems];
+#pragma unroll
+  for (int k = 0; k < kItems; ++k) {
+    const int local = static_cast<int>(threadIdx.x) * kItems + k;  // blocked: the input order
+    packed[k] = local < level_entries
+                    ? (static_cast<uint32_t>(keys[entry_of(local)]) << kIndexBits) | static_cast<uint32_t>(local)
+                    : 0xffffffffu;  // past the run: sorts last
+  }
+  LevelSort(storage).SortBlockedToStriped(packed, kIndexBits, kIndexBits + end_bit);
+  const int32_t first = group_first + level * level_entries;
+#pragma unroll
+  for (int k = 0; k < kItems; ++k) {
+    const int rank = k * kLevelSortThreads + static_cast<int>(threadIdx.x);
+    if (rank < level_entries) {
+      sorted_keys[first + rank] = static_cast<int32_t>(packed[k] >> kIndexBits);
+      order[first + rank] = entry_of(static_cast<int>(packed[k] & kIndexMask));
+    }
+  }
+}
+
+// The block shape that sorts the problem's level runs, or 0 where none fits: runs longer than the
+// large block, or pixel and index bits past 32.
+int level_sort_items(const ProblemTensors& problem, int end_bit) {
+  const int64_t run_entries = 4 * problem.queries * problem.points;
+  for (const int items : kLevelSortItems) {
+    const int capacity = kLevelSortThreads * items;
+    if (run_entries <= capacity && end_bit + index_bits_for(capacity) <= 32) return items;
+  }
+  return 0;
+}
+
+void sort_level_runs(const ProblemTensors& problem, int items, int end_bit, const at::Tensor& keys,
+                     at::Tensor& sorted_keys, at::Tensor& order) {
+  const auto kernel = items == kLevelSortItems[0]   ? sort_level_runs_kernel<kLevelSortItems[0]>
+                      : items == kLevelSortItems[1] ? sort_level_runs_kernel<kLevelSortItems[1]>
+                                                    : sort_level_runs_kernel<kLevelSortItems[2]>;
+  const int levels = static_cast<int>(problem.levels);
+  kernel<<<static_cast<unsigned>(problem.batch * problem.heads * levels), kLevelSortThreads, 0, current_stream()>>>(
+      keys.data_ptr<int32_t>(), static_cast<int>(problem.queries), levels, static_cast<int>(4 * problem.points),
+      end_bit, sorted_keys.data_ptr<int32_t>(), order.data_ptr<int32_t>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// The sort's key bits: invalid corners take the key one past the last pixel, which sorts last.
+int key_end_bit(const ProblemTensors& problem) {
+  int end_bit = 1;
+  while (end_bit < 31 && (int64_t{1} << end_bit) <= problem.num_keys) ++end_bit;
+  return end_bit;
+}
+
+// Whether step 3 zeroes the untouched rows where it finds them instead of step 1 filling
+// grad_value: only where cub sorts (the gaps assume pixel-major ranks), and there where a (batch,
+// head) has at least two corners per key (at most e^-2 of its rows untouched), or where an fp32 (or
+// wider) grad_value exceeds the L2 (the fill would go to DRAM; perf_notes item 82). Where the level
+// runs fit a block, the fill with the block sort beat cub in place everywhere measured (H100,
+// session 39, item 86): DINO's decoder fp32 / fp16 / bf16 0.131 / 0.119 / 0.120 -> 0.118 / 0.108 /
+// 0.104 ms, DETR's bs 4 fp32 decoder 0.129 -> 0.097, a 512 x 512 image's 300-query decoder 0.071 ->
+// 0.046 (5.5 corners per key).
+bool zeroes_in_place(const ProblemTensors& problem) {
+  if (level_sort_items(problem, key_end_bit(problem)) != 0) return false;
+  return 4 * problem.queries * problem.levels * problem.points >= 2 * problem.num_keys ||
+         (problem.value.element_size() >= 4 &&
+          static_cast<int64_t>(problem.value.nbytes()) > current_device_attribute(cudaDevAttrL2CacheSize));
+}
+
 int64_t blocks_for(int64_t threads) { return (threads + kThreads - 1) / kThreads; }
 
 }  // namespace
+
+bool sorts_level_runs(const ProblemTensors& problem) {
+  return level_sort_items(problem, key_end_bit(problem)) != 0;
+}
 
 std::string sorted_backward_unsupported(const ProblemTensors& problem, const at::Tensor& grad_output) {
   const int lane = lane_elements(problem, grad_output);
@@ -574,12 +682,14 @@ Gradients sorted_deterministic_backward(const ProblemTensors& problem, const at:
   const int64_t entries = 4 * points;
   const auto acc_dtype = problem.value.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   const auto int_options = problem.value.options().dtype(at::kInt);
-  const at::Tensor keys = uninitialized({entries}, int_options), index = uninitialized({entries}, int_options);
+  const int end_bit = key_end_bit(problem);
+  const int level_items = level_sort_items(problem, end_bit);
+  const bool group_major = level_items != 0;  // the block sort's order: (batch x head, pixel)
+  const bool in_place = zeroes_in_place(problem);
+  const at::Tensor keys = uninitialized({entries}, int_options);
+  const at::Tensor index = group_major ? at::Tensor() : uninitialized({entries}, int_options);
   at::Tensor sorted_keys = uninitialized({entries}, int_options), order = uninitialized({entries}, int_options);
   const at::Tensor entry_weights = uninitialized({entries}, problem.value.options().dtype(acc_dtype));
-  // Invalid corners take the key one past the last pixel, which sorts last and bounds the sort's bits.
-  int end_bit = 1;
-  while (end_bit < 31 && (int64_t{1} << end_bit) <= problem.num_keys) ++end_bit;
   const EntryOrder entry_order = entry_order_of(problem);
   const int lane = lane_elements(problem, grad_output);
   const int team_log2 = team_log2_for((problem.channels + lane - 1) / lane);
@@ -596,15 +706,6 @@ Gradients sorted_deterministic_backward(const ProblemTensors& problem, const at:
   const int64_t capacity = 2 * (cells / kListedGapRows) + 4;
   const at::Tensor gap_list = uninitialized({1 + 2 * capacity}, int_options);
   const int groups = static_cast<int>(problem.batch * problem.heads), row_units = static_cast<int>(row_bytes / unit_bytes);
-  // In place where a (batch, head) has at least two corners per key (at most e^-2 of its rows
-  // untouched), or where an fp32 (or wider) grad_value exceeds the L2 (the fill would go to DRAM).
-  // On an H100 (perf_notes item 82): DINO's fp32 decoder 0.1367 -> 0.1313 ms, DETR's bs 8 fp32
-  // decoder 0.2168 -> 0.2006; half precision gained nothing in place at bs 8 (bf16 +2 %), and DETR's
-  // bs 2 decoder, 4 in 10 rows untouched and 41 MB in the L2, lost 14 % in place.
-  const bool in_place =
-      4 * problem.queries * problem.levels * problem.points >= 2 * problem.num_keys ||
-      (problem.value.element_size() >= 4 &&
-       static_cast<int64_t>(grad_value.nbytes()) > current_device_attribute(cudaDevAttrL2CacheSize));
   // The fill's 16-byte stores, and the rest, under 16 bytes, by a memset.
   const int64_t zero_vectors = in_place ? 0 : grad_value.nbytes() / 16;
   const int64_t zero_tail = in_place ? 0 : grad_value.nbytes() - 16 * zero_vectors;
@@ -632,7 +733,7 @@ Gradients sorted_deterministic_backward(const ProblemTensors& problem, const at:
       const int64_t blocks = std::max(blocks_for(points << team_log2), blocks_for((zero_vectors + 7) / 8));
       kernel<<<blocks, kThreads, 0, stream>>>(
           problem.problem<scalar_t>(), go, grad_locations.data_ptr<coord_t>(), grad_weights.data_ptr<coord_t>(),
-          keys.data_ptr<int32_t>(), index.data_ptr<int32_t>(), entry_weights.data_ptr<acc_t>(), entry_order, team_log2,
+          keys.data_ptr<int32_t>(), group_major ? nullptr : index.data_ptr<int32_t>(), entry_weights.data_ptr<acc_t>(), entry_order, team_log2,
           gap_list.data_ptr<int32_t>(), reinterpret_cast<uint4*>(grad_value.data_ptr()), zero_vectors);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     };
@@ -641,7 +742,11 @@ Gradients sorted_deterministic_backward(const ProblemTensors& problem, const at:
     } else {
       launch_points(point_gradients_kernel<scalar_t, 1>(in_place));
     }
-    sort_entries(keys, index, sorted_keys, order, end_bit);
+    if (group_major) {
+      sort_level_runs(problem, level_items, end_bit, keys, sorted_keys, order);
+    } else {
+      sort_entries(keys, index, sorted_keys, order, end_bit);
+    }
     const int64_t chunks = (entries + 31) / 32;
     const at::Tensor partials = uninitialized({chunks, 2, problem.channels}, problem.value.options().dtype(acc_dtype));
     const at::Tensor chunk_flags = uninitialized({chunks}, int_options), trailing_cells = uninitialized({chunks}, int_options);
@@ -654,7 +759,7 @@ Gradients sorted_deterministic_backward(const ProblemTensors& problem, const at:
           sorted_keys.data_ptr<int32_t>(), order.data_ptr<int32_t>(), entry_weights.data_ptr<acc_t>(), entries, go,
           entry_order, static_cast<int>(problem.num_keys), static_cast<int>(problem.batch * problem.heads),
           static_cast<int>(problem.channels), team_log2, partials.data_ptr<acc_t>(), chunk_flags.data_ptr<int32_t>(),
-          trailing_cells.data_ptr<int32_t>(), reinterpret_cast<scalar_t*>(grad_value.data_ptr()), untouched);
+          trailing_cells.data_ptr<int32_t>(), reinterpret_cast<scalar_t*>(grad_value.data_ptr()), untouched, group_major);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
       // At least two blocks per SM, for the listed gaps' segments.
       const int64_t carry_blocks = std::max<int64_t>(blocks_for(chunks << team_log2), 2 * multiprocessor_count());
