@@ -735,11 +735,12 @@ def test_sorted_deterministic_backward_against_float64(monkeypatch, backend, dty
 # rows zeroed where the chunk kernel finds them: 32-, 6- and 3-channel rows (16-, 4- and 2-byte
 # stores in fp16), and full chunks of 32 entries (the last lane zeroes the cells after the last
 # touched); 1,900 queries x 2 points (15,200 entries) over 6,000 keys is 2.5 corners per key.
+DENSE_DECODER = ("dense_decoder", [(60, 100)], 2, 1900, 2, 32, 2, "local")
 UNTOUCHED_CASES = [
     SPARSE_DECODER,
     ("wide_sparse_bs2", [(96, 128), (48, 64)], 2, 10, 2, 32, 1, "local"),
     ("dense_decoder_filled", [(16, 24), (8, 12)], 2, 100, 4, 32, 2, "local"),
-    ("dense_decoder", [(60, 100)], 2, 1900, 2, 32, 2, "local"),
+    DENSE_DECODER,
     ("dense_c6", [(60, 100)], 2, 1900, 3, 6, 2, "local"),
     ("dense_c3", [(60, 100)], 2, 1900, 2, 3, 2, "local"),
     ("dense_full_chunks", [(60, 100)], 1, 3720, 1, 16, 1, "local"),
@@ -883,6 +884,48 @@ def test_fast_half_precision_backward_sorts_sparse_problems(monkeypatch, backend
     assert any("DeviceRadixSort" in n for n in names) and not any("touched" in n for n in names), sorted(names)
     names = kernels_of(LARGE_SPARSE_DECODER, torch.float32)
     assert not any("sorted_" in n for n in names), sorted(names)
+
+
+@pytest.mark.parametrize("backend", COMPILED_BACKENDS)
+@pytest.mark.parametrize(
+    "case, dtype, deterministic",
+    [(SPARSE_DECODER, torch.float16, False), (LONG_RUN_DECODER, torch.float32, True), (DENSE_DECODER, torch.bfloat16, True)],
+    ids=["fast_fp16_block_sort", "deterministic_fp32_block_sort", "deterministic_bf16_cub_in_place"],
+)
+def test_sorted_backward_in_cuda_graph_replays(monkeypatch, backend, case, dtype, deterministic):
+    """The sorted backward inside a CUDA graph (the block sort with the fill, and cub's sort with
+    the untouched rows zeroed in place, whose gap count the point kernel resets on every launch):
+    replayed twice over NaN-filled outputs, it gives the eager gradients bit for bit."""
+    problem = cuda_problem(case, dtype, seed=67)
+    skip_unless_supported(backend, validate(*problem.args()))
+    monkeypatch.setenv("MMDEFORM_TMA_GRAD_VALUE_LAYOUT", "auto")
+    grad_output = torch.randn(*problem.sampling_locations.shape[:2], problem.value.shape[2] * problem.value.shape[3],
+                              device="cuda", dtype=dtype)
+    args = problem.args()
+
+    def backward():
+        return torch.ops.mmdeform_tma.ms_deform_attn_backward(grad_output, *args, backend, -1, deterministic)
+
+    names = cuda_kernel_names(backward)
+    if not names:
+        pytest.skip("the CUDA profiler recorded no kernels (CUPTI unavailable, e.g. under compute-sanitizer)")
+    assert any("sorted_chunk_sums_kernel" in n for n in names), sorted(names)
+    eager = backward()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        backward()  # warm-up on the capture stream
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = backward()
+    for _ in range(2):
+        for t in captured:
+            t.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        for what, got, want in zip(GRADIENT_NAMES, captured, eager):
+            assert torch.equal(got, want), what
 
 
 @pytest.mark.parametrize("backend", COMPILED_BACKENDS)
