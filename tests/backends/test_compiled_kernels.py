@@ -494,6 +494,26 @@ def test_tma_ws_spread_fallback_against_float64(uniform_heads, dtype):
         check_backward_config(problem, answers, config, name, deterministic=False)
 
 
+def cuda_graph_replays(fn, replays=2):
+    """Captures fn() in a CUDA graph (after a warm-up on the capture stream) and yields its outputs
+    after each replay, which runs over outputs first filled with NaN: a replay that leaves an
+    element unwritten shows it."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = fn()
+    for _ in range(replays):
+        for t in captured:
+            t.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        yield captured
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("uniform_heads", ["all", "alternate"])
 def test_tma_ws_spread_fallback_in_cuda_graph_replays(uniform_heads, dtype):
@@ -511,19 +531,7 @@ def test_tma_ws_spread_fallback_in_cuda_graph_replays(uniform_heads, dtype):
         return torch.ops.mmdeform_tma.ms_deform_attn_backward(grad_output, *args, "tma_ws", -1, False)
 
     eager = backward()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        backward()  # warm-up on the capture stream
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = backward()
-    for _ in range(2):
-        for t in captured:
-            t.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
+    for captured in cuda_graph_replays(backward):
         for what, got, want in zip(("grad_value", "grad_locations", "grad_weights"), captured, eager):
             assert not torch.isnan(got).any(), what
             if what == "grad_value":  # fp32 atomics: their order may differ
@@ -911,19 +919,7 @@ def test_sorted_backward_in_cuda_graph_replays(monkeypatch, backend, case, dtype
         pytest.skip("the CUDA profiler recorded no kernels (CUPTI unavailable, e.g. under compute-sanitizer)")
     assert any("sorted_chunk_sums_kernel" in n for n in names), sorted(names)
     eager = backward()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        backward()  # warm-up on the capture stream
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = backward()
-    for _ in range(2):
-        for t in captured:
-            t.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
+    for captured in cuda_graph_replays(backward):
         for what, got, want in zip(GRADIENT_NAMES, captured, eager):
             assert torch.equal(got, want), what
 

@@ -152,7 +152,7 @@ constexpr int64_t kSortedCornersPerKey = 64;
 // With the block sort, sorted over touched cells, `tma_ws`, fp16 / bf16, H100 (2026-11-26, session
 // 39, perf_notes item 86): DETR's decoder (300 queries) bs 1 0.98 / 0.93, bs 2 0.93 / 0.86, bs 4
 // 0.69 / 0.65; 100 queries bs 1 0.80 / 0.78; 2 points at bs 4 0.79 / 0.73; 4 heads x 64 channels
-// 0.54 / 0.51; DINO's five levels, 8 points, bs 1 0.93 / 0.90; 900 queries there at bs 2 0.75 / 0.70.
+// 0.54 / 0.51; DINO's five levels, 8 points, bs 1 0.83 / 0.81; 900 queries there at bs 2 0.75 / 0.70.
 // With cub's sort instead (2026-11-26; item 78, measurements/ab_sorted_fast_backward_s35.md):
 //   DETR's decoder (300 queries, 0.95 corners per key), H100: bs 3 (485 K cells) 1.06 / 1.02,
 //   bs 4 (646 K) 0.94 / 0.90, bs 8 (1.29 M) 0.80 / 0.76, bs 16 0.75 / 0.71; H200: bs 4 1.07 / 1.04,
@@ -168,9 +168,9 @@ constexpr int64_t kSortedFastKeys = int64_t{1} << 16;
 // measurements; forcing one where it cannot run raises with the reason; `sorted` applies to the
 // deterministic backward, the fast one keeps its automatic layout). Unset or `auto`: sorted for
 // the deterministic backward as kSortedCornersPerKey says, and for the fast backward of sparse
-// half-precision problems as the rule above kSortedFastCells says; otherwise touched cells for half-precision
-// values when a (batch, head)'s corners are at most its keys (4 x queries x levels x points <=
-// num_keys), and for the deterministic backward when they are at most four times its keys.
+// half-precision problems as the rule above kSortedFastCells says; otherwise touched cells for
+// half-precision values when a (batch, head)'s corners are at most its keys (4 x queries x levels x
+// points <= num_keys), and for the deterministic backward when they are at most four times its keys.
 GradValueLayout grad_value_layout(const ProblemTensors& problem, const at::Tensor& grad_output, bool deterministic);
 
 // Host side of the value gradient: allocation, the marking of touched cells, the fixed-point

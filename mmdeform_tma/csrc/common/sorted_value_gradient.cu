@@ -550,11 +550,11 @@ void sort_entries(const at::Tensor& keys, const at::Tensor& index, at::Tensor& s
 // over all entries: DETR's bs 2 decoder sorts 64 runs of 4,800 entries in 9.1 us against cub's
 // 32.6 us with its memsets (H100, session 39, perf_notes item 86).
 constexpr int kLevelSortThreads = 512;
-// Three block shapes, the smallest that holds a run: a thread's keys set the sort's latency (DINO's
-// five levels, 8 points, bs 1: 9,600-entry runs, fp16 backward 0.0698 ms in 20 keys a thread, 0.0781
-// in 29; H100, session 39).
-// Runs to 5,120 entries (DETR's 300 queries x 4 points), 10,240 and 14,848 (900 x 4); ptxas gives
-// them 79, 111 and 127 registers (29 keys a thread is the most it fits without spilling at 512).
+// Three block shapes, the smallest that holds a run, since a thread's keys set the sort's latency
+// (DINO's five levels, 8 points, bs 1: 9,600-entry runs, fp16 backward 0.0698 ms in 20 keys a
+// thread, 0.0781 in 29; H100, session 39). They hold runs of up to 5,120 entries (DETR's 300
+// queries x 4 points), 10,240 and 14,848 (900 x 4); ptxas gives them 79, 111 and 127 registers
+// (29 keys a thread is the most it fits without spilling at 512 threads).
 constexpr int kLevelSortItems[] = {10, 20, 29};
 constexpr int index_bits_for(int capacity) { return capacity <= 1 ? 0 : 1 + index_bits_for((capacity + 1) / 2); }
 
@@ -733,7 +733,8 @@ Gradients sorted_deterministic_backward(const ProblemTensors& problem, const at:
       const int64_t blocks = std::max(blocks_for(points << team_log2), blocks_for((zero_vectors + 7) / 8));
       kernel<<<blocks, kThreads, 0, stream>>>(
           problem.problem<scalar_t>(), go, grad_locations.data_ptr<coord_t>(), grad_weights.data_ptr<coord_t>(),
-          keys.data_ptr<int32_t>(), group_major ? nullptr : index.data_ptr<int32_t>(), entry_weights.data_ptr<acc_t>(), entry_order, team_log2,
+          keys.data_ptr<int32_t>(), group_major ? nullptr : index.data_ptr<int32_t>(), entry_weights.data_ptr<acc_t>(),
+          entry_order, team_log2,
           gap_list.data_ptr<int32_t>(), reinterpret_cast<uint4*>(grad_value.data_ptr()), zero_vectors);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     };
