@@ -813,6 +813,13 @@ LONG_RUN_DECODER = ("long_run_decoder", [(96, 128), (48, 64)], 2, 700, 2, 8, 2, 
 LONGER_RUN_DECODER = ("longer_run_decoder", [(96, 128), (48, 64)], 1, 1500, 2, 8, 2, "local")
 # Level runs of 16,000 entries, past the largest block: cub sorts (in place, at 67 corners per key).
 IN_PLACE_DECODER = ("in_place_decoder", [(16, 24), (8, 12)], 1, 1000, 2, 8, 4, "local")
+# 64 channels: teams of 8 lanes, 4 to a warp, sum a run's cells.
+WIDE_HEAD_DECODER = ("wide_head_decoder", [(40, 60), (20, 30), (10, 15)], 2, 200, 2, 64, 4, "local")
+# 256 channels: 400 queries' output-gradient rows (200-400 KB) exceed a block's shared memory and are
+# read through L1; a whole warp sums each cell.
+UNSTAGED_ROWS_DECODER = ("unstaged_rows_decoder", [(32, 48), (16, 24)], 1, 400, 2, 256, 2, "local")
+# 6 channels: single-element lanes, which only cub's device sort serves.
+ODD_CHANNELS_DECODER = ("odd_channels_decoder", [(20, 30), (10, 15)], 2, 50, 2, 6, 2, "local")
 
 
 @pytest.mark.parametrize("backend", COMPILED_BACKENDS)
@@ -824,14 +831,19 @@ IN_PLACE_DECODER = ("in_place_decoder", [(16, 24), (8, 12)], 1, 1000, 2, 8, 4, "
         (LONG_RUN_DECODER, True),
         (LONGER_RUN_DECODER, True),
         (WIDE_KEYS_DECODER, True),
+        (WIDE_HEAD_DECODER, True),
+        (UNSTAGED_ROWS_DECODER, True),
         (IN_PLACE_DECODER, False),
+        (ODD_CHANNELS_DECODER, False),
     ],
     ids=lambda c: c[0] if isinstance(c, tuple) else str(c),
 )
 def test_sorted_backward_sorts_each_level_run_in_one_block(monkeypatch, backend, dtype, case, sorts_level_runs):
-    """Where a (batch, head, level)'s entries fit a block, one launch sorts the level runs (small and
-    large blocks; 17 key bits) in place of cub's device sort, and the gradients match float64,
-    bitwise the same on a second run; past the large block, cub sorts."""
+    """Where a (batch, head, level)'s entries fit a block and lanes take 8 elements, one launch sorts
+    each level run and sums its cells (small and large blocks; 17 key bits; 8-64 channels; rows
+    staged in shared memory or read through L1) in place of cub's device sort and the chunk sums,
+    and the gradients match float64, bitwise the same on a second run; past the large block, or
+    with single-element lanes, cub sorts."""
     problem = cuda_problem(case, dtype, seed=61)
     skip_unless_supported(backend, validate(*problem.args()))
     _, grad_output, exact_grads, geometry32 = float64_answers(problem, dtype)
@@ -839,10 +851,35 @@ def test_sorted_backward_sorts_each_level_run_in_one_block(monkeypatch, backend,
     names = cuda_kernel_names(lambda: grads.append(backward_with_layout(monkeypatch, "sorted", problem, grad_output, backend, True)))
     if not names:
         pytest.skip("the CUDA profiler recorded no kernels (CUPTI unavailable, e.g. under compute-sanitizer)")
-    assert any("sort_level_runs_kernel" in n for n in names) == sorts_level_runs, sorted(names)
+    assert any("sort_and_sum_level_runs_kernel" in n for n in names) == sorts_level_runs, sorted(names)
     assert any("DeviceRadixSort" in n for n in names) != sorts_level_runs, sorted(names)
+    assert any("sorted_chunk_sums_kernel" in n for n in names) != sorts_level_runs, sorted(names)
     for i, (what, got, want) in enumerate(zip(GRADIENT_NAMES, grads[0], exact_grads)):
         check(got, want, f"sorted {what}", geometry32[i] if i > 0 else None)
+    again = backward_with_layout(monkeypatch, "sorted", problem, grad_output, backend, True)
+    assert all(torch.equal(a, b) for a, b in zip(grads[0], again))
+
+
+@pytest.mark.parametrize("backend", COMPILED_BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_sorted_backward_sums_cells_across_teams_and_blocks(monkeypatch, backend, dtype):
+    """300 queries sample one point and 400 another, so each level run of 5,600 entries falls in
+    eight cells of 600 or 800: cells span many teams' ranges and the even split of a run between
+    the blocks that share it (up to four where the runs are fewer than the SMs). The gradients match
+    float64, bitwise the same on a second run."""
+    case = ("coincident_points", [(96, 128), (48, 64)], 2, 700, 2, 32, 2, "local")
+    problem = cuda_problem(case, dtype, seed=71)
+    skip_unless_supported(backend, validate(*problem.args()))
+    locations = problem.sampling_locations
+    locations[:, :300, ..., 0], locations[:, :300, ..., 1] = 0.37, 0.52
+    locations[:, 300:, ..., 0], locations[:, 300:, ..., 1] = 0.611, 0.274
+    _, grad_output, exact_grads, geometry32 = float64_answers(problem, dtype)
+    grads = []
+    names = cuda_kernel_names(lambda: grads.append(backward_with_layout(monkeypatch, "sorted", problem, grad_output, backend, True)))
+    if names:  # empty where CUPTI is unavailable (compute-sanitizer)
+        assert any("sort_and_sum_level_runs_kernel" in n for n in names), sorted(names)
+    for i, (what, got, want) in enumerate(zip(GRADIENT_NAMES, grads[0], exact_grads)):
+        check(got, want, f"coincident points {what}", geometry32[i] if i > 0 else None)
     again = backward_with_layout(monkeypatch, "sorted", problem, grad_output, backend, True)
     assert all(torch.equal(a, b) for a, b in zip(grads[0], again))
 
@@ -859,9 +896,10 @@ LONG_RUN_SPARSE_LARGE = ("long_run_sparse_large", [(128, 192)], 6, 2000, 8, 8, 2
 @pytest.mark.parametrize("backend", COMPILED_BACKENDS)
 def test_fast_half_precision_backward_sorts_sparse_problems(monkeypatch, backend):
     """`auto` gives the fast backward the sorted layout where half-precision values are sparse and
-    one block sorts each level run (the kernels that ran say which layout it took); its gradients
-    match float64 and the deterministic backward's bit for bit. Runs past the block sort with cub
-    from 2^20 cells and keep the touched cells below; fp32 values keep the dense accumulator."""
+    blocks sort the level runs (the kernels that ran say which layout it took); its gradients match
+    float64 and the deterministic backward's bit for bit. Runs past the block sort with cub from 2^20
+    cells and keep the touched cells below; up to four corners per key, blocks sort from 2^18 cells.
+    fp32 values sort where grad_value exceeds the L2 and keep the dense accumulator where it fits."""
     problem = cuda_problem(LARGE_SPARSE_DECODER, torch.float16, seed=59)
     skip_unless_supported(backend, validate(*problem.args()))
     _, grad_output, exact_grads, geometry32 = float64_answers(problem, torch.float16)
@@ -874,7 +912,7 @@ def test_fast_half_precision_backward_sorts_sparse_problems(monkeypatch, backend
     names = cuda_kernel_names(lambda: fast_backward(problem, grad_output))
     if not names:  # the backward always launches kernels: the profiler cannot see them
         pytest.skip("the CUDA profiler recorded no kernels (CUPTI unavailable, e.g. under compute-sanitizer)")
-    assert any("sort_level_runs_kernel" in n for n in names), sorted(names)
+    assert any("sort_and_sum_level_runs_kernel" in n for n in names), sorted(names)
     assert not any("touched" in n for n in names), sorted(names)
     for i, (what, got, want) in enumerate(zip(GRADIENT_NAMES, grads, exact_grads)):
         check(got, want, f"fast sorted {what}", geometry32[i] if i > 0 else None)
@@ -890,7 +928,14 @@ def test_fast_half_precision_backward_sorts_sparse_problems(monkeypatch, backend
     assert not any("sorted_" in n for n in names) and any("touched" in n for n in names), sorted(names)
     names = kernels_of(LONG_RUN_SPARSE_LARGE, torch.bfloat16)
     assert any("DeviceRadixSort" in n for n in names) and not any("touched" in n for n in names), sorted(names)
-    names = kernels_of(LARGE_SPARSE_DECODER, torch.float32)
+    denser = ("denser_decoder", [(64, 96), (32, 48)], 5, 1000, 8, 32, 2, "local")  # 2.1 corners per key, 307 K cells
+    names = kernels_of(denser, torch.float16)
+    assert any("sort_and_sum_level_runs_kernel" in n for n in names) and not any("touched" in n for n in names), sorted(names)
+    names = kernels_of(denser[:2] + (1,) + denser[3:], torch.bfloat16)  # 61 K cells: the dense buffer
+    assert not any("sorted_" in n or "touched" in n for n in names), sorted(names)
+    names = kernels_of(LARGE_SPARSE_DECODER, torch.float32)  # a 157 MB grad_value
+    assert any("sort_and_sum_level_runs_kernel" in n for n in names), sorted(names)
+    names = kernels_of(SPARSE_DECODER, torch.float32)  # 8 MB
     assert not any("sorted_" in n for n in names), sorted(names)
 
 
@@ -901,9 +946,9 @@ def test_fast_half_precision_backward_sorts_sparse_problems(monkeypatch, backend
     ids=["fast_fp16_block_sort", "deterministic_fp32_block_sort", "deterministic_bf16_cub_in_place"],
 )
 def test_sorted_backward_in_cuda_graph_replays(monkeypatch, backend, case, dtype, deterministic):
-    """The sorted backward inside a CUDA graph (the block sort with the fill, and cub's sort with
-    the untouched rows zeroed in place, whose gap count the point kernel resets on every launch):
-    replayed twice over NaN-filled outputs, it gives the eager gradients bit for bit."""
+    """The sorted backward inside a CUDA graph (the block sort and sums with the fill, and cub's sort
+    with the untouched rows zeroed in place, whose gap count the point kernel resets on every
+    launch): replayed twice over NaN-filled outputs, it gives the eager gradients bit for bit."""
     problem = cuda_problem(case, dtype, seed=67)
     skip_unless_supported(backend, validate(*problem.args()))
     monkeypatch.setenv("MMDEFORM_TMA_GRAD_VALUE_LAYOUT", "auto")
@@ -917,7 +962,9 @@ def test_sorted_backward_in_cuda_graph_replays(monkeypatch, backend, case, dtype
     names = cuda_kernel_names(backward)
     if not names:
         pytest.skip("the CUDA profiler recorded no kernels (CUPTI unavailable, e.g. under compute-sanitizer)")
-    assert any("sorted_chunk_sums_kernel" in n for n in names), sorted(names)
+    block_sort = case is not DENSE_DECODER
+    assert any("sort_and_sum_level_runs_kernel" in n for n in names) == block_sort, sorted(names)
+    assert any("sorted_chunk_sums_kernel" in n for n in names) != block_sort, sorted(names)
     eager = backward()
     for captured in cuda_graph_replays(backward):
         for what, got, want in zip(GRADIENT_NAMES, captured, eager):

@@ -192,6 +192,23 @@ std::string touched_cells_unsupported(const ProblemTensors& problem) {
   return {};
 }
 
+// The rules above kSortedFastCells (grad_accumulation.cuh). Half precision: the touched cells'
+// marking, zeroing and final pass cost more than the sort where blocks sort and sum the level runs,
+// or cub sorts a large problem, whose cost is mostly latency (perf_notes items 78, 86 and 87).
+bool sorted_fast_backward(const ProblemTensors& problem, const at::Tensor& grad_output, int64_t corners_per_batch_head) {
+  const bool half = problem.value.element_size() == 2, fp32 = problem.value.scalar_type() == at::kFloat;
+  if ((!half && !fp32) || !sorted_backward_unsupported(problem, grad_output).empty()) return false;
+  const bool sparse = corners_per_batch_head <= problem.num_keys;
+  const bool blocks = sorts_level_runs(problem, grad_output);
+  const int64_t cells = problem.batch * problem.num_keys * problem.heads;
+  if (half) {
+    return (sparse && (blocks || (problem.num_keys < kSortedFastKeys && cells >= kSortedFastCells))) ||
+           (blocks && corners_per_batch_head <= 4 * problem.num_keys && cells >= kSortedFastDenserCells);
+  }
+  return sparse && blocks && 4 * problem.queries * problem.points <= kSortedFastFp32RunEntries &&
+         static_cast<int64_t>(problem.value.nbytes()) > current_device_attribute(cudaDevAttrL2CacheSize);
+}
+
 }  // namespace
 
 GradValueLayout grad_value_layout(const ProblemTensors& problem, const at::Tensor& grad_output, bool deterministic) {
@@ -208,13 +225,7 @@ GradValueLayout grad_value_layout(const ProblemTensors& problem, const at::Tenso
         (auto_choice && why.empty() && cross_attention && corners_per_batch_head <= kSortedCornersPerKey * problem.num_keys)) {
       return GradValueLayout::kSorted;
     }
-  } else if (auto_choice && problem.value.element_size() == 2 && cross_attention &&
-             corners_per_batch_head <= problem.num_keys && sorted_backward_unsupported(problem, grad_output).empty() &&
-             (sorts_level_runs(problem) ||
-              (problem.num_keys < kSortedFastKeys && problem.batch * problem.num_keys * problem.heads >= kSortedFastCells))) {
-    // Sparse half-precision values: the touched cells' marking, zeroing and final pass cost more
-    // than the sort, where one block sorts each level run, or cub's sort on large problems, whose
-    // cost is mostly latency (perf_notes items 78 and 86).
+  } else if (auto_choice && cross_attention && sorted_fast_backward(problem, grad_output, corners_per_batch_head)) {
     return GradValueLayout::kSorted;
   }
   if (forced_sorted) forced = nullptr;  // the fast backward's automatic layout

@@ -145,30 +145,43 @@ enum class GradValueLayout { kDense, kTouchedCells, kSorted };
 // encoders are also excluded by their query count. Denser cross-attention is unmeasured.
 constexpr int64_t kSortedCornersPerKey = 64;
 
-// The fast backward of half-precision values takes the sorted path too when the problem is sparse
-// (at most one corner per key of a (batch, head)) and either one block sorts each level run
-// (sorts_level_runs), or cub sorts a problem of at least kSortedFastCells (batch, key, head) cells
-// and fewer than kSortedFastKeys keys (16 bits with the invalid key: two radix passes).
-// With the block sort, sorted over touched cells, `tma_ws`, fp16 / bf16, H100 (2026-11-26, session
-// 39, perf_notes item 86): DETR's decoder (300 queries) bs 1 0.98 / 0.93, bs 2 0.93 / 0.86, bs 4
-// 0.69 / 0.65; 100 queries bs 1 0.80 / 0.78; 2 points at bs 4 0.79 / 0.73; 4 heads x 64 channels
-// 0.54 / 0.51; DINO's five levels, 8 points, bs 1 0.83 / 0.81; 900 queries there at bs 2 0.75 / 0.70.
-// With cub's sort instead (2026-11-26; item 78, measurements/ab_sorted_fast_backward_s35.md):
+// The fast backward takes the sorted path too (sorted_fast_backward in grad_accumulation.cu):
+//  - half-precision values, sparse (at most one corner per key of a (batch, head)), where one block
+//    sorts each level run (sorts_level_runs), or where cub sorts a problem of at least
+//    kSortedFastCells (batch, key, head) cells and fewer than kSortedFastKeys keys (16 bits with
+//    the invalid key: two radix passes);
+//  - half-precision values with up to four corners per key where blocks sort the level runs of at
+//    least kSortedFastDenserCells cells;
+//  - fp32 values, sparse, where the small block sorts the level runs (at most
+//    kSortedFastFp32RunEntries entries) and grad_value exceeds the L2, which the dense path's fp32
+//    atomics then thrash.
+// Sorted over the automatic layout, `tma_ws`, H100, with the blocks' own sums (session 40, perf_notes
+// item 87), fp16 / bf16: DINO's decoder (900 queries, 2.85 corners per key) bs 1 1.03 / 0.99, bs 2
+// 0.86 / 0.81, bs 4 0.76 / 0.71; 300 queries over levels of half DETR's sides (3.8 corners per key,
+// 81 K cells) 1.05 / 1.00; 7.6 corners per key 1.05-1.08 / 1.00-1.03; 14.9: 1.16 / 1.13. fp32,
+// sparse: DETR's decoder bs 1 0.94, bs 2 1.02, bs 3 0.83, bs 4 0.80, bs 8 0.86; 2 points at bs 4
+// 0.89; 4 heads x 64 channels at bs 2 1.04; DINO's five levels, 900 queries, bs 2 (14,400-entry
+// runs) 1.10; 8 points there at bs 1 0.88.
+// With the block sort but the sums in separate launches (session 39, item 86), fp16 / bf16 over
+// touched cells: DETR's decoder bs 1 0.98 / 0.93, bs 2 0.93 / 0.86, bs 4 0.69 / 0.65; 100 queries
+// bs 1 0.80 / 0.78; 2 points at bs 4 0.79 / 0.73; 4 heads x 64 channels 0.54 / 0.51.
+// With cub's sort (2026-11-26; item 78, measurements/ab_sorted_fast_backward_s35.md):
 //   DETR's decoder (300 queries, 0.95 corners per key), H100: bs 3 (485 K cells) 1.06 / 1.02,
 //   bs 4 (646 K) 0.94 / 0.90, bs 8 (1.29 M) 0.80 / 0.76, bs 16 0.75 / 0.71; H200: bs 4 1.07 / 1.04,
 //   bs 8 0.92 / 0.87, bs 16 0.87 / 0.82. 100 queries at bs 8: H100 0.84 / 0.82, H200 0.93 / 0.89.
 //   900 queries over DINO's five levels (89,023 keys) at bs 2: H100 0.91 / 0.87, H200 1.05 / 1.01.
 //   In the sweeps, 2 points at bs 4 (646 K cells) and 8 points at bs 1 (712 K) lost 10-26 %.
 // The H200's bandwidth favours the touched cells' passes, hence 2^20 cells, where both GPUs gain.
-// Denser decoders (DINO's four levels, 2.85 corners per key) tie at bs 2; fp32 never pays.
 constexpr int64_t kSortedFastCells = int64_t{1} << 20;
 constexpr int64_t kSortedFastKeys = int64_t{1} << 16;
+constexpr int64_t kSortedFastDenserCells = int64_t{1} << 18;
+constexpr int64_t kSortedFastFp32RunEntries = 5120;
 
 // The layout for this problem. MMDEFORM_TMA_GRAD_VALUE_LAYOUT=dense|touched|sorted forces one (for
 // measurements; forcing one where it cannot run raises with the reason; `sorted` applies to the
 // deterministic backward, the fast one keeps its automatic layout). Unset or `auto`: sorted for
-// the deterministic backward as kSortedCornersPerKey says, and for the fast backward of sparse
-// half-precision problems as the rule above kSortedFastCells says; otherwise touched cells for
+// the deterministic backward as kSortedCornersPerKey says, and for the fast backward as the rules
+// above kSortedFastCells say; otherwise touched cells for
 // half-precision values when a (batch, head)'s corners are at most its keys (4 x queries x levels x
 // points <= num_keys), and for the deterministic backward when they are at most four times its keys.
 GradValueLayout grad_value_layout(const ProblemTensors& problem, const at::Tensor& grad_output, bool deterministic);

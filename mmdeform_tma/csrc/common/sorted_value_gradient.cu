@@ -11,6 +11,10 @@
 #include <algorithm>
 #include <climits>
 #include <cstdint>
+#include <map>
+#include <mutex>
+#include <type_traits>
+#include <utility>
 
 #include "device_utils.cuh"
 #include "dtype_dispatch.cuh"
@@ -375,7 +379,7 @@ __global__ void __launch_bounds__(kThreads) sorted_chunk_sums_kernel(
     const acc_type<scalar_t>* __restrict__ entry_weights, int64_t entries, const scalar_t* __restrict__ grad_output,
     const EntryOrder entry_order, int num_keys, int groups, int channels, int team_log2,
     acc_type<scalar_t>* __restrict__ partials, int32_t* __restrict__ chunk_flags, int32_t* __restrict__ trailing_cells,
-    scalar_t* __restrict__ grad_value, const UnsampledRows untouched, bool group_major) {
+    scalar_t* __restrict__ grad_value, const UnsampledRows untouched) {
   using acc_t = acc_type<scalar_t>;
   extern __shared__ __align__(16) unsigned char chunk_stage[];
   const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
@@ -388,11 +392,8 @@ __global__ void __launch_bounds__(kThreads) sorted_chunk_sums_kernel(
   int32_t* items = cells + 32;
   acc_t* weights = reinterpret_cast<acc_t*>(items + 32);
   // A cell's rank in the sorted order: (pixel, batch x head); invalid corners share the last rank.
-  // Group-major (sort_level_runs_kernel's order, never in place): (batch x head, pixel) level by
-  // level, each level's invalid corners last in its run; only equal ranks matter there.
   const int32_t no_cell = num_keys * groups;
   const auto rank_of = [&](int32_t pixel, int32_t entry) {
-    if (group_major) return entry_order.group(entry) * (num_keys + 1) + pixel;
     return pixel == num_keys ? no_cell : pixel * groups + entry_order.group(entry);
   };
   const int64_t i = base + lane;
@@ -540,15 +541,13 @@ void sort_entries(const at::Tensor& keys, const at::Tensor& index, at::Tensor& s
                                                  order.data_ptr<int32_t>(), n, 0, end_bit, stream));
 }
 
-// Step 2 where each (batch, head, level)'s entries fit one block: a block sorts them by pixel in
-// shared memory. A level's pixels form one range of keys, so the group's entries sorted level by
-// level are sorted by pixel, but for the level's invalid corners, which end its run instead of the
-// group's (the chunk sums compare ranks for equality only, so that is harmless). A key packs
-// (pixel << index bits | index in the level's run) and the sort reads the pixel's bits only; cub's
-// block sort is stable in the blocked arrangement, so a cell keeps its entries in EntryOrder's
-// order, as cub's device sort does. One launch of groups x levels blocks in place of cub's five
-// over all entries: DETR's bs 2 decoder sorts 64 runs of 4,800 entries in 9.1 us against cub's
-// 32.6 us with its memsets (H100, session 39, perf_notes item 86).
+// Steps 2 and 3 where each (batch, head, level)'s entries (a level run) fit one block: a block sorts
+// them by pixel in shared memory, and sums their cells there. A key packs (pixel << index bits |
+// index in the level's run) and the sort reads the pixel's bits only; cub's block sort is stable in
+// the blocked arrangement, so a cell keeps its entries in EntryOrder's order, as cub's device sort
+// does. The sort alone, in one launch of groups x levels blocks, took 9.1 us for DETR's bs 2 decoder
+// (64 runs of 4,800 entries) against cub's 32.6 us with its memsets (H100, session 39, perf_notes
+// item 86); summing in the same blocks then saved the chunk sums and the carry (item 87).
 constexpr int kLevelSortThreads = 512;
 // Three block shapes, the smallest that holds a run, since a thread's keys set the sort's latency
 // (DINO's five levels, 8 points, bs 1: 9,600-entry runs, fp16 backward 0.0698 ms in 20 keys a
@@ -558,22 +557,74 @@ constexpr int kLevelSortThreads = 512;
 constexpr int kLevelSortItems[] = {10, 20, 29};
 constexpr int index_bits_for(int capacity) { return capacity <= 1 ? 0 : 1 + index_bits_for((capacity + 1) / 2); }
 
-template <int kItems>
-__global__ void __launch_bounds__(kLevelSortThreads, 1)
-    sort_level_runs_kernel(const int32_t* __restrict__ keys, int queries, int levels, int run, int end_bit,
-                           int32_t* __restrict__ sorted_keys, int32_t* __restrict__ order) {
+// The most blocks that share a level run (each sorts all of it and sums a part), while the runs are
+// fewer than the SMs.
+constexpr int kMaxRunSplit = 4;
+
+// cp.async of 16 bytes from global to shared memory: the staging loads stay in flight through the
+// sort that follows them.
+__device__ __forceinline__ void copy_16_async(void* shared, const void* global) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(static_cast<unsigned>(__cvta_generic_to_shared(shared))),
+               "l"(global)
+               : "memory");
+}
+
+__device__ __forceinline__ void wait_copies_async() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+
+// A cell's entries all lie in one level run (a pixel belongs to one level), so the block that sorts a
+// run can also sum its cells, and the sorted order never leaves shared memory. Before the sort the
+// block stages, with asynchronous copies that overlap it, the run's entry weights and, where shared
+// memory holds them, the (batch, head)'s output-gradient rows (a query's row serves its points x 4
+// entries of the run). After the sort, teams of lanes sum equal ranges of the block's part of the
+// run, weight x row in sorted order, and write the rows of the cells they hold whole; a cell that
+// crosses ranges is finished in range order by the team where it begins.
+template <typename scalar_t, int kItems>
+__global__ void __launch_bounds__(kLevelSortThreads, 1) sort_and_sum_level_runs_kernel(
+    const int32_t* __restrict__ keys, const acc_type<scalar_t>* __restrict__ entry_weights,
+    const scalar_t* __restrict__ grad_output, const EntryOrder order, int levels, int run, FastDivisor by_run, int end_bit,
+    int split, int num_keys, int channels, int team_log2, bool stage_rows, scalar_t* __restrict__ grad_value) {
+  using acc_t = acc_type<scalar_t>;
+  constexpr int LANE = kLaneElements;
   constexpr int kIndexBits = index_bits_for(kLevelSortThreads * kItems);
   constexpr uint32_t kIndexMask = (1u << kIndexBits) - 1u;
   using LevelSort = cub::BlockRadixSort<uint32_t, kLevelSortThreads, kItems, cub::NullType, 5, true>;
+  static_assert(sizeof(typename LevelSort::TempStorage) >= sizeof(uint32_t) * kLevelSortThreads * kItems,
+                "the sorted run is kept in the sort's storage");
+  static_assert(sizeof(typename LevelSort::TempStorage) >= (sizeof(acc_t) * LANE + sizeof(int)) * kLevelSortThreads,
+                "and then the teams' lead pieces");
   __shared__ typename LevelSort::TempStorage storage;
-  const int group = static_cast<int>(blockIdx.x) / levels, level = static_cast<int>(blockIdx.x) - group * levels;
-  const int level_entries = queries * run, corners_per_query = levels * run;
-  const int32_t group_first = group * queries * corners_per_query;
+  extern __shared__ __align__(16) unsigned char level_stage[];
+  const int level_run = static_cast<int>(blockIdx.x) / split, part = static_cast<int>(blockIdx.x) - level_run * split;
+  const int group = level_run / levels, level = level_run - group * levels;
+  const int batch = group / order.heads, head = group - batch * order.heads;
+  const int queries = order.queries, level_entries = queries * run;
+  const int32_t group_first = group * queries * order.corners_per_query;
   // A level's entries are a run of `run` (points x 4 corners) per query: local index q x run + r.
   const auto entry_of = [&](int local) {
-    const int query = local / run;
-    return group_first + query * corners_per_query + level * run + (local - query * run);
+    const int query = static_cast<int>(by_run.divide(local));
+    return group_first + query * order.corners_per_query + level * run + (local - query * run);
   };
+  acc_t* weights = reinterpret_cast<acc_t*>(level_stage);
+  scalar_t* staged_rows = reinterpret_cast<scalar_t*>(level_stage + (level_entries * sizeof(acc_t) + 15) / 16 * 16);
+  const scalar_t* group_rows = grad_output + (static_cast<int64_t>(batch) * queries * order.heads + head) * channels;
+  {
+    // A query's run of weights is whole 16-byte pieces (run is a multiple of 4), as is a row.
+    constexpr int kWeightsPerPiece = 16 / sizeof(acc_t);
+    for (int piece = threadIdx.x; piece * kWeightsPerPiece < level_entries; piece += kLevelSortThreads) {
+      const int local = piece * kWeightsPerPiece;
+      copy_16_async(weights + local, entry_weights + entry_of(local));
+    }
+    if (stage_rows) {
+      constexpr int kElementsPerPiece = 16 / sizeof(scalar_t);
+      const int row_pieces = channels / kElementsPerPiece;
+      const int64_t row_stride = static_cast<int64_t>(order.heads) * channels;
+      for (int piece = threadIdx.x; piece < queries * row_pieces; piece += kLevelSortThreads) {
+        const int query = piece / row_pieces, at = (piece - query * row_pieces) * kElementsPerPiece;
+        copy_16_async(staged_rows + query * channels + at, group_rows + query * row_stride + at);
+      }
+    }
+    asm volatile("cp.async.commit_group;" ::: "memory");
+  }
   uint32_t packed[kItems];
 #pragma unroll
   for (int k = 0; k < kItems; ++k) {
@@ -583,20 +634,134 @@ __global__ void __launch_bounds__(kLevelSortThreads, 1)
                     : 0xffffffffu;  // past the run: sorts last
   }
   LevelSort(storage).SortBlockedToStriped(packed, kIndexBits, kIndexBits + end_bit);
-  const int32_t first = group_first + level * level_entries;
+  wait_copies_async();
+  __syncthreads();  // every thread is done with the sort's storage, and every copy has landed
+  uint32_t* sorted = reinterpret_cast<uint32_t*>(&storage);
 #pragma unroll
   for (int k = 0; k < kItems; ++k) {
     const int rank = k * kLevelSortThreads + static_cast<int>(threadIdx.x);
-    if (rank < level_entries) {
-      sorted_keys[first + rank] = static_cast<int32_t>(packed[k] >> kIndexBits);
-      order[first + rank] = entry_of(static_cast<int>(packed[k] & kIndexMask));
+    if (rank < level_entries) sorted[rank] = packed[k];
+  }
+  __syncthreads();
+  const auto pixel_at = [&](int rank) { return static_cast<int>(sorted[rank] >> kIndexBits); };
+  // The run's `split` blocks each sort all of it (the SMs would idle otherwise) and sum the cells of
+  // one part: from the first cell boundary at or past part x entries / split, so no cell crosses
+  // blocks, to the next part's start. Where the runs are fewer than the SMs, this keeps them busy:
+  // with one block per run the sums took 19 us beyond the sort's 9 on DETR's bs 2 fp16 decoder, 64
+  // runs on 132 SMs (H100, session 40).
+  const auto part_start = [&](int k) {
+    int lo = static_cast<int>(static_cast<int64_t>(k) * level_entries / split);
+    if (lo == 0 || lo == level_entries) return lo;
+    const int pixel = pixel_at(lo - 1);
+    int hi = level_entries;  // the first rank past lo - 1's cell: pixels ascend
+    while (lo < hi) {
+      const int mid = (lo + hi) / 2;
+      if (pixel_at(mid) <= pixel) lo = mid + 1; else hi = mid;
     }
+    return lo;
+  };
+  const int part_begin = part_start(part), part_end = max(part_begin, part_start(part + 1));
+  // Each team sums an equal range of the part's ranks, whatever the cells: a cell of thousands of
+  // entries (the coarsest level gathers many queries' corners) is spread over teams as cub's pieces
+  // are over chunks. A range's first piece that continues a cell begun before it (its lead) is left
+  // for that cell's trailing team to add, in range order; a last piece that runs past the range
+  // (trailing) is finished so. A team walking whole cells took 148 us on DINO's fp16 decoder (900
+  // queries) against 25 us for the sort alone (H100, session 40).
+  const int team_size = 1 << team_log2, teams = kLevelSortThreads >> team_log2;
+  const int team = static_cast<int>(threadIdx.x) >> team_log2;
+  const int channel = (static_cast<int>(threadIdx.x) & (team_size - 1)) * LANE;
+  const bool active = channel < channels;
+  const int span = (part_end - part_begin + teams - 1) / teams;
+  const int begin = min(part_end, part_begin + team * span), end = min(part_end, begin + span);
+  const auto write_row = [&](int pixel, const acc_t (&sum)[LANE]) {
+    const int64_t cell = (static_cast<int64_t>(batch) * num_keys + pixel) * order.heads + head;
+    if (active) store_lane(grad_value + cell * channels + channel, from_acc_vec<scalar_t, LANE>(sum));
+  };
+  int cell_pixel = begin < end ? pixel_at(begin) : num_keys;  // invalid corners (num_keys) end the run
+  const bool lead = begin < end && begin > 0 && cell_pixel != num_keys && pixel_at(begin - 1) == cell_pixel;
+  bool first_piece = true;
+  acc_t sum[LANE], lead_sum[LANE];
+#pragma unroll
+  for (int v = 0; v < LANE; ++v) sum[v] = lead_sum[v] = acc_t(0);
+  // The walk over the team's range, rows from shared memory or (kStaged false) through L1.
+  const auto walk = [&](auto staged) {
+    constexpr bool kStaged = decltype(staged)::value;
+    using index_t = std::conditional_t<kStaged, int, int64_t>;  // staged rows fit shared memory
+    const index_t row_stride = kStaged ? channels : static_cast<index_t>(order.heads) * channels;
+    const auto entry_at = [&](int rank, uint32_t& key, acc_t& weight, Vec<scalar_t, LANE>& row) {
+      key = sorted[rank];
+      const uint32_t local = key & kIndexMask;
+      weight = weights[local];
+      const index_t at = static_cast<index_t>(by_run.divide(local)) * row_stride + channel;
+      if (active) row = kStaged ? load_shared_lane<scalar_t, LANE>(staged_rows + at) : load_lane<scalar_t, LANE>(group_rows + at);
+    };
+    if (begin >= end) return;
+    uint32_t next_key;
+    acc_t next_weight;
+    Vec<scalar_t, LANE> next_row{};
+    entry_at(begin, next_key, next_weight, next_row);
+    for (int e = begin; e < end; ++e) {
+      const int pixel = static_cast<int>(next_key >> kIndexBits);
+      const acc_t weight = next_weight;
+      acc_t go[LANE];
+      to_acc(next_row, go);
+      entry_at(min(e + 1, end - 1), next_key, next_weight, next_row);  // one entry's loads ahead
+      if (pixel != cell_pixel) {  // a piece ends
+        if (first_piece && lead) {
+#pragma unroll
+          for (int v = 0; v < LANE; ++v) lead_sum[v] = sum[v];
+        } else if (cell_pixel != num_keys) {
+          write_row(cell_pixel, sum);
+        }
+        first_piece = false;
+        cell_pixel = pixel;
+#pragma unroll
+        for (int v = 0; v < LANE; ++v) sum[v] = acc_t(0);
+      }
+#pragma unroll
+      for (int v = 0; v < LANE; ++v) sum[v] = fma(weight, go[v], sum[v]);
+    }
+  };
+  if (stage_rows) {
+    walk(std::true_type{});
+  } else {
+    walk(std::false_type{});
+  }
+  const bool continues = end < level_entries && cell_pixel != num_keys && pixel_at(end) == cell_pixel;
+  const bool lead_ends = !first_piece || !continues;
+  bool trailing = false;
+  if (first_piece && lead) {  // the whole range continues a cell begun before it
+#pragma unroll
+    for (int v = 0; v < LANE; ++v) lead_sum[v] = sum[v];
+  } else if (continues) {
+    trailing = true;
+  } else if (begin < end && cell_pixel != num_keys) {
+    write_row(cell_pixel, sum);
+  }
+  __syncthreads();  // every team is done with the sorted ranks: their storage takes the lead pieces
+  acc_t* lead_sums = reinterpret_cast<acc_t*>(&storage);  // [teams][channels]
+  int* lead_ends_here = reinterpret_cast<int*>(lead_sums + teams * channels);
+  if (lead && active) {
+#pragma unroll
+    for (int v = 0; v < LANE; ++v) lead_sums[team * channels + channel + v] = lead_sum[v];
+  }
+  if (channel == 0) lead_ends_here[team] = lead_ends ? 1 : 0;
+  __syncthreads();
+  if (trailing) {  // the cell ends in this block: parts start at cell boundaries
+    for (int later = team + 1; later < teams; ++later) {
+#pragma unroll
+      for (int v = 0; v < LANE; ++v) sum[v] += active ? lead_sums[later * channels + channel + v] : acc_t(0);
+      if (lead_ends_here[later]) break;
+    }
+    write_row(cell_pixel, sum);
   }
 }
 
-// The block shape that sorts the problem's level runs, or 0 where none fits: runs longer than the
-// large block, or pixel and index bits past 32.
-int level_sort_items(const ProblemTensors& problem, int end_bit) {
+// The block shape that sorts and sums the problem's level runs, or 0 where none applies: fp64 values
+// or single-element lanes (cub sorts them), runs longer than the large block, or pixel and index bits
+// past 32.
+int level_sort_items(const ProblemTensors& problem, const at::Tensor& grad_output, int end_bit) {
+  if (problem.value.scalar_type() == at::kDouble || lane_elements(problem, grad_output) != kLaneElements) return 0;
   const int64_t run_entries = 4 * problem.queries * problem.points;
   for (const int items : kLevelSortItems) {
     const int capacity = kLevelSortThreads * items;
@@ -605,15 +770,49 @@ int level_sort_items(const ProblemTensors& problem, int end_bit) {
   return 0;
 }
 
-void sort_level_runs(const ProblemTensors& problem, int items, int end_bit, const at::Tensor& keys,
-                     at::Tensor& sorted_keys, at::Tensor& order) {
-  const auto kernel = items == kLevelSortItems[0]   ? sort_level_runs_kernel<kLevelSortItems[0]>
-                      : items == kLevelSortItems[1] ? sort_level_runs_kernel<kLevelSortItems[1]>
-                                                    : sort_level_runs_kernel<kLevelSortItems[2]>;
+// The dynamic shared memory `kernel` may take beside its static shared memory on the current device;
+// the first call per (kernel, device) raises the kernel's limit to it.
+int dynamic_shared_limit(const void* kernel) {
+  static std::mutex mutex;
+  static std::map<std::pair<const void*, int>, int> limits;
+  int device = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  const std::lock_guard<std::mutex> lock(mutex);
+  const auto key = std::make_pair(kernel, device);
+  const auto it = limits.find(key);
+  if (it != limits.end()) return it->second;
+  cudaFuncAttributes attributes{};
+  C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
+  const int limit =
+      current_device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin) - static_cast<int>(attributes.sharedSizeBytes);
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, limit));
+  limits.emplace(key, limit);
+  return limit;
+}
+
+template <typename scalar_t>
+void sort_and_sum_level_runs(const ProblemTensors& problem, int items, int end_bit, const at::Tensor& keys,
+                             const at::Tensor& entry_weights, const scalar_t* grad_output, const EntryOrder& order,
+                             int team_log2, const at::Tensor& grad_value) {
+  using acc_t = acc_type<scalar_t>;
+  const auto kernel = items == kLevelSortItems[0]   ? sort_and_sum_level_runs_kernel<scalar_t, kLevelSortItems[0]>
+                      : items == kLevelSortItems[1] ? sort_and_sum_level_runs_kernel<scalar_t, kLevelSortItems[1]>
+                                                    : sort_and_sum_level_runs_kernel<scalar_t, kLevelSortItems[2]>;
+  const int run = static_cast<int>(4 * problem.points);
+  const int weight_bytes = static_cast<int>((problem.queries * run * sizeof(acc_t) + 15) / 16 * 16);
+  const int64_t row_bytes = problem.queries * problem.channels * static_cast<int64_t>(sizeof(scalar_t));
+  const int limit = dynamic_shared_limit(reinterpret_cast<const void*>(kernel));
+  TORCH_CHECK(weight_bytes <= limit, "mmdeform_tma sorted backward: a level run's weights exceed shared memory");
+  const bool stage_rows = weight_bytes + row_bytes <= limit;  // else the rows are read through L1
   const int levels = static_cast<int>(problem.levels);
-  kernel<<<static_cast<unsigned>(problem.batch * problem.heads * levels), kLevelSortThreads, 0, current_stream()>>>(
-      keys.data_ptr<int32_t>(), static_cast<int>(problem.queries), levels, static_cast<int>(4 * problem.points),
-      end_bit, sorted_keys.data_ptr<int32_t>(), order.data_ptr<int32_t>());
+  // Blocks per level run: up to kMaxRunSplit, while the runs leave SMs idle (a block fills an SM).
+  const int64_t runs = problem.batch * problem.heads * levels;
+  const int split = static_cast<int>(std::clamp<int64_t>(multiprocessor_count() / runs, 1, kMaxRunSplit));
+  kernel<<<static_cast<unsigned>(runs * split), kLevelSortThreads, weight_bytes + (stage_rows ? row_bytes : 0),
+           current_stream()>>>(
+      keys.data_ptr<int32_t>(), entry_weights.data_ptr<acc_t>(), grad_output, order, levels, run,
+      fast_divisor(static_cast<uint32_t>(run)), end_bit, split, static_cast<int>(problem.num_keys),
+      static_cast<int>(problem.channels), team_log2, stage_rows, reinterpret_cast<scalar_t*>(grad_value.data_ptr()));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -632,8 +831,8 @@ int key_end_bit(const ProblemTensors& problem) {
 // session 39, item 86): DINO's decoder fp32 / fp16 / bf16 0.131 / 0.119 / 0.120 -> 0.118 / 0.108 /
 // 0.104 ms, DETR's bs 4 fp32 decoder 0.129 -> 0.097, a 512 x 512 image's 300-query decoder 0.071 ->
 // 0.046 (5.5 corners per key).
-bool zeroes_in_place(const ProblemTensors& problem) {
-  if (level_sort_items(problem, key_end_bit(problem)) != 0) return false;
+bool zeroes_in_place(const ProblemTensors& problem, const at::Tensor& grad_output) {
+  if (level_sort_items(problem, grad_output, key_end_bit(problem)) != 0) return false;
   return 4 * problem.queries * problem.levels * problem.points >= 2 * problem.num_keys ||
          (problem.value.element_size() >= 4 &&
           static_cast<int64_t>(problem.value.nbytes()) > current_device_attribute(cudaDevAttrL2CacheSize));
@@ -643,8 +842,8 @@ int64_t blocks_for(int64_t threads) { return (threads + kThreads - 1) / kThreads
 
 }  // namespace
 
-bool sorts_level_runs(const ProblemTensors& problem) {
-  return level_sort_items(problem, key_end_bit(problem)) != 0;
+bool sorts_level_runs(const ProblemTensors& problem, const at::Tensor& grad_output) {
+  return level_sort_items(problem, grad_output, key_end_bit(problem)) != 0;
 }
 
 std::string sorted_backward_unsupported(const ProblemTensors& problem, const at::Tensor& grad_output) {
@@ -683,12 +882,14 @@ Gradients sorted_deterministic_backward(const ProblemTensors& problem, const at:
   const auto acc_dtype = problem.value.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   const auto int_options = problem.value.options().dtype(at::kInt);
   const int end_bit = key_end_bit(problem);
-  const int level_items = level_sort_items(problem, end_bit);
-  const bool group_major = level_items != 0;  // the block sort's order: (batch x head, pixel)
-  const bool in_place = zeroes_in_place(problem);
+  const int level_items = level_sort_items(problem, grad_output, end_bit);
+  const bool sorts_in_blocks = level_items != 0;
+  const bool in_place = zeroes_in_place(problem, grad_output);
   const at::Tensor keys = uninitialized({entries}, int_options);
-  const at::Tensor index = group_major ? at::Tensor() : uninitialized({entries}, int_options);
-  at::Tensor sorted_keys = uninitialized({entries}, int_options), order = uninitialized({entries}, int_options);
+  // cub's payload and output; the blocks keep theirs in shared memory.
+  const at::Tensor index = sorts_in_blocks ? at::Tensor() : uninitialized({entries}, int_options);
+  at::Tensor sorted_keys = sorts_in_blocks ? at::Tensor() : uninitialized({entries}, int_options);
+  at::Tensor order = sorts_in_blocks ? at::Tensor() : uninitialized({entries}, int_options);
   const at::Tensor entry_weights = uninitialized({entries}, problem.value.options().dtype(acc_dtype));
   const EntryOrder entry_order = entry_order_of(problem);
   const int lane = lane_elements(problem, grad_output);
@@ -733,7 +934,7 @@ Gradients sorted_deterministic_backward(const ProblemTensors& problem, const at:
       const int64_t blocks = std::max(blocks_for(points << team_log2), blocks_for((zero_vectors + 7) / 8));
       kernel<<<blocks, kThreads, 0, stream>>>(
           problem.problem<scalar_t>(), go, grad_locations.data_ptr<coord_t>(), grad_weights.data_ptr<coord_t>(),
-          keys.data_ptr<int32_t>(), group_major ? nullptr : index.data_ptr<int32_t>(), entry_weights.data_ptr<acc_t>(),
+          keys.data_ptr<int32_t>(), sorts_in_blocks ? nullptr : index.data_ptr<int32_t>(), entry_weights.data_ptr<acc_t>(),
           entry_order, team_log2,
           gap_list.data_ptr<int32_t>(), reinterpret_cast<uint4*>(grad_value.data_ptr()), zero_vectors);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -743,11 +944,14 @@ Gradients sorted_deterministic_backward(const ProblemTensors& problem, const at:
     } else {
       launch_points(point_gradients_kernel<scalar_t, 1>(in_place));
     }
-    if (group_major) {
-      sort_level_runs(problem, level_items, end_bit, keys, sorted_keys, order);
-    } else {
-      sort_entries(keys, index, sorted_keys, order, end_bit);
+    if constexpr (!std::is_same_v<scalar_t, double>) {  // fp64 never sorts in blocks
+      if (sorts_in_blocks) {
+        sort_and_sum_level_runs<scalar_t>(problem, level_items, end_bit, keys, entry_weights, go, entry_order, team_log2,
+                                          grad_value);
+        return;
+      }
     }
+    sort_entries(keys, index, sorted_keys, order, end_bit);
     const int64_t chunks = (entries + 31) / 32;
     const at::Tensor partials = uninitialized({chunks, 2, problem.channels}, problem.value.options().dtype(acc_dtype));
     const at::Tensor chunk_flags = uninitialized({chunks}, int_options), trailing_cells = uninitialized({chunks}, int_options);
@@ -760,7 +964,7 @@ Gradients sorted_deterministic_backward(const ProblemTensors& problem, const at:
           sorted_keys.data_ptr<int32_t>(), order.data_ptr<int32_t>(), entry_weights.data_ptr<acc_t>(), entries, go,
           entry_order, static_cast<int>(problem.num_keys), static_cast<int>(problem.batch * problem.heads),
           static_cast<int>(problem.channels), team_log2, partials.data_ptr<acc_t>(), chunk_flags.data_ptr<int32_t>(),
-          trailing_cells.data_ptr<int32_t>(), reinterpret_cast<scalar_t*>(grad_value.data_ptr()), untouched, group_major);
+          trailing_cells.data_ptr<int32_t>(), reinterpret_cast<scalar_t*>(grad_value.data_ptr()), untouched);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
       // At least two blocks per SM, for the listed gaps' segments.
       const int64_t carry_blocks = std::max<int64_t>(blocks_for(chunks << team_log2), 2 * multiprocessor_count());
