@@ -181,9 +181,9 @@ constexpr int64_t kSortedFastFp32RunEntries = 5120;
 // measurements; forcing one where it cannot run raises with the reason; `sorted` applies to the
 // deterministic backward, the fast one keeps its automatic layout). Unset or `auto`: sorted for
 // the deterministic backward as kSortedCornersPerKey says, and for the fast backward as the rules
-// above kSortedFastCells say; otherwise touched cells for
-// half-precision values when a (batch, head)'s corners are at most its keys (4 x queries x levels x
-// points <= num_keys), and for the deterministic backward when they are at most four times its keys.
+// above kSortedFastCells say; otherwise touched cells for half-precision values when a (batch,
+// head)'s corners are at most its keys (4 x queries x levels x points <= num_keys), and for the
+// deterministic backward when they are at most four times its keys.
 GradValueLayout grad_value_layout(const ProblemTensors& problem, const at::Tensor& grad_output, bool deterministic);
 
 // Host side of the value gradient: allocation, the marking of touched cells, the fixed-point

@@ -552,8 +552,8 @@ constexpr int kLevelSortThreads = 512;
 // Three block shapes, the smallest that holds a run, since a thread's keys set the sort's latency
 // (DINO's five levels, 8 points, bs 1: 9,600-entry runs, fp16 backward 0.0698 ms in 20 keys a
 // thread, 0.0781 in 29; H100, session 39). They hold runs of up to 5,120 entries (DETR's 300
-// queries x 4 points), 10,240 and 14,848 (900 x 4); ptxas gives them 79, 111 and 127 registers
-// (29 keys a thread is the most it fits without spilling at 512 threads).
+// queries x 4 points), 10,240 and 14,848 (900 x 4); with the sums, ptxas gives them 87, 117 and 128
+// registers (29 keys a thread is the most that fits without spilling at 512 threads).
 constexpr int kLevelSortItems[] = {10, 20, 29};
 constexpr int index_bits_for(int capacity) { return capacity <= 1 ? 0 : 1 + index_bits_for((capacity + 1) / 2); }
 
