@@ -11,10 +11,7 @@
 #include <algorithm>
 #include <climits>
 #include <cstdint>
-#include <map>
-#include <mutex>
 #include <type_traits>
-#include <utility>
 
 #include "device_utils.cuh"
 #include "dtype_dispatch.cuh"
@@ -772,26 +769,6 @@ int level_sort_items(const ProblemTensors& problem, const at::Tensor& grad_outpu
     if (run_entries <= capacity && end_bit + index_bits_for(capacity) <= 32) return items;
   }
   return 0;
-}
-
-// The dynamic shared memory `kernel` may take beside its static shared memory on the current device;
-// the first call per (kernel, device) raises the kernel's limit to it.
-int dynamic_shared_limit(const void* kernel) {
-  static std::mutex mutex;
-  static std::map<std::pair<const void*, int>, int> limits;
-  int device = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&device));
-  const std::lock_guard<std::mutex> lock(mutex);
-  const auto key = std::make_pair(kernel, device);
-  const auto it = limits.find(key);
-  if (it != limits.end()) return it->second;
-  cudaFuncAttributes attributes{};
-  C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
-  const int limit =
-      current_device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin) - static_cast<int>(attributes.sharedSizeBytes);
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, limit));
-  limits.emplace(key, limit);
-  return limit;
 }
 
 template <typename scalar_t>

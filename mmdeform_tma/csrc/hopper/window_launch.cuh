@@ -29,11 +29,7 @@ inline int blocks_per_multiprocessor(const void* kernel, int threads, int bytes)
   const auto key = std::make_tuple(kernel, device, threads, bytes);
   auto it = cache.find(key);
   if (it != cache.end()) return it->second;
-  cudaFuncAttributes attributes{};
-  C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
-  C10_CUDA_CHECK(cudaFuncSetAttribute(
-      kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-      current_device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin) - static_cast<int>(attributes.sharedSizeBytes)));
+  dynamic_shared_limit(kernel);
   int blocks = 0;
   C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads, bytes));
   TORCH_CHECK(blocks > 0, "mmdeform_tma tma_ws: a CTA of ", num(threads), " threads and ", num(bytes),
