@@ -797,6 +797,23 @@ def test_sorted_backward_with_every_corner_outside_is_zero(monkeypatch, backend)
         assert torch.equal(got, torch.zeros_like(got)), what
 
 
+@pytest.mark.parametrize("backend", COMPILED_BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("case", [CASES[0], CASES[6]], ids=lambda c: c[0])
+def test_sorted_backward_with_inconsistent_device_geometry(monkeypatch, backend, dtype, case):
+    """Level shapes whose GPU copy disagrees with value (the point kernel's blocks check them):
+    NaN coordinate gradients and a zero value gradient, over memory that held NaN, whether blocks
+    sort the level runs (32 channels) or cub sorts the entries (6)."""
+    problem = cuda_problem(case, dtype, seed=89)
+    skip_unless_supported(backend, validate(*problem.args()))
+    problem.spatial_shapes[0, 1] += 1
+    grad_output = torch.randn(*problem.sampling_locations.shape[:2], problem.value.shape[2] * problem.value.shape[3],
+                              device="cuda", dtype=dtype)
+    grad_value, grad_locations, grad_weights = backward_over_poisoned_memory(monkeypatch, problem, grad_output, backend)
+    assert torch.equal(grad_value, torch.zeros_like(grad_value))
+    assert torch.isnan(grad_locations).all() and torch.isnan(grad_weights).all()
+
+
 def cuda_kernel_names(fn) -> set[str]:
     """The CUDA kernels that fn() launched, by name."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:

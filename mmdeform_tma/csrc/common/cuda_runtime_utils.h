@@ -43,4 +43,26 @@ inline int dynamic_shared_limit(const void* kernel) {
   return limit;
 }
 
+// Launches `kernel` as a programmatic dependent of the stream's previous kernel where the device
+// has them (sm_90 and newer): its blocks may start once every block of that kernel has called
+// allow_dependent_launch() (or exited), and must call wait_for_prior_grid() before they read what
+// it wrote or write anything. Elsewhere, an ordinary launch.
+template <typename... Params, typename... Args>
+void launch_as_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, size_t shared_bytes, cudaStream_t stream,
+                         Args&&... args) {
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = shared_bytes;
+  config.stream = stream;
+  if (current_device_attribute(cudaDevAttrComputeCapabilityMajor) >= 9) {
+    config.attrs = &attribute;
+    config.numAttrs = 1;
+  }
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
+}
+
 }  // namespace mmdeform_tma

@@ -12,6 +12,21 @@
 
 namespace mmdeform_tma {
 
+// Programmatic dependent launch (launch_as_dependent), no-ops before sm_90: a kernel lets the
+// stream's next kernel start, and a dependent waits for the kernel before it (to complete, its
+// writes visible).
+__device__ __forceinline__ void allow_dependent_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void wait_for_prior_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 // Quotients by a divisor fixed for a launch: a multiply-high, an add and a shift (round-up
 // multiplier) for n < 2^31, instead of an integer division's instruction sequence.
 struct FastDivisor {
@@ -215,6 +230,22 @@ __device__ __forceinline__ bool level_geometry_ok(
     ok &= expected <= keys;
   }
   return ok && expected == keys;
+}
+
+// The same verdict from a whole block at once, a level per thread (start[l + 1] = start[l] + h x w,
+// start[0] = 0, the last level ending at num_keys, every value within num_keys, so no product
+// overflows): a kernel of many small blocks paid the loop's 64-bit compares, some 150
+// instructions, in every thread (H100, session 41). Every thread of the block must call it.
+__device__ __forceinline__ bool block_level_geometry_ok(
+    const int64_t* __restrict__ shapes, const int64_t* __restrict__ starts, int levels, int64_t num_keys) {
+  bool ok = true;
+  for (int l = threadIdx.x; l < levels; l += blockDim.x) {
+    const int64_t h = __ldg(shapes + 2 * l), w = __ldg(shapes + 2 * l + 1), start = __ldg(starts + l);
+    const int64_t end = l + 1 < levels ? __ldg(starts + l + 1) : num_keys;
+    ok &= h >= 0 && w >= 0 && h <= num_keys && w <= num_keys && start >= 0 && start <= num_keys &&
+          (l > 0 || start == 0) && start + h * w == end;
+  }
+  return __syncthreads_and(ok) != 0;
 }
 
 struct LevelGeometry {

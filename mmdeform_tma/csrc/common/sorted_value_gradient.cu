@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <climits>
 #include <cstdint>
+#include <tuple>
 #include <type_traits>
 
 #include "device_utils.cuh"
@@ -117,6 +118,20 @@ EntryOrder entry_order_of(const ProblemTensors& problem) {
           fast_divisor(queries), fast_divisor(heads), fast_divisor(corners)};
 }
 
+// A point's (item, level x points + point) and its level, by multiply-high.
+struct PointIndex {
+  FastDivisor by_points_per_item, by_points;
+};
+
+// Blocks of 256 threads per SM, by the bytes a lane loads per corner: five where 16 or fewer (48
+// registers), four where 32 (64). The point kernel waits on its loads; left to itself ptxas took
+// 54-56 registers for 16 bytes (four blocks) and 72 for 32 (three) (H100, session 41).
+template <typename scalar_t, int LANE>
+constexpr int point_kernel_min_blocks() {
+  if (sizeof(scalar_t) == 8) return 1;  // fp64: the reference dtype, left to ptxas
+  return LANE * sizeof(scalar_t) <= 16 ? 5 : LANE * sizeof(scalar_t) <= 32 ? 4 : 1;
+}
+
 // Step 1: a team per sampling point (item, level, point), numbered as locations are. Lane 0
 // writes the point's gradients and its four entries; the team's lanes share the dot products.
 // First, where step 3 does not zero the untouched rows itself (UnsampledRows::in_place), every
@@ -127,15 +142,20 @@ EntryOrder entry_order_of(const ProblemTensors& problem) {
 // that kernel where step 3 zeroes in place: on DINO's decoder fp16 ran 0.1248 -> 0.1188 ms without
 // the loop and bf16 0.1209 -> 0.1200, while fp32's kernel without it was 2.6 % slower there and
 // 3.2 % on DETR's bs 8 decoder, ptxas giving it 54 registers against 44 (H100, 2026-11-26, branch
-// e895030 against c70d853 in one call; perf_notes item 83).
+// e895030 against c70d853 in one call; perf_notes item 83). The kernel waits on its loads, so it is
+// kept lean: the level geometry checked once per block, 32-bit indices divided by multiply-high,
+// the five row loads issued together, 48 registers: 20.9 -> 13.3 us on DETR's bs 2 fp16 decoder,
+// 42.6 -> 24.7 on DINO's (H100, session 41, item 89). Lanes of 16 elements (half the teams) halved
+// its instructions but not its time, at four blocks per SM.
 template <typename scalar_t, int LANE, bool kFill = true>
-__global__ void __launch_bounds__(kThreads) sorted_point_gradients_kernel(
+__global__ void __launch_bounds__(kThreads, point_kernel_min_blocks<scalar_t, LANE>()) sorted_point_gradients_kernel(
     const Problem<scalar_t> p, const scalar_t* __restrict__ grad_output, coord_type<scalar_t>* __restrict__ grad_locations,
     coord_type<scalar_t>* __restrict__ grad_weights, int32_t* __restrict__ keys, int32_t* __restrict__ entry_index,
-    acc_type<scalar_t>* __restrict__ entry_weights, const EntryOrder order, int team_log2, int32_t* __restrict__ long_gaps,
-    uint4* __restrict__ zero_fill, int64_t zero_vectors) {
+    acc_type<scalar_t>* __restrict__ entry_weights, const EntryOrder order, const PointIndex index, int team_log2,
+    int32_t* __restrict__ long_gaps, uint4* __restrict__ zero_fill, int64_t zero_vectors) {
   using coord_t = coord_type<scalar_t>;
   using acc_t = acc_type<scalar_t>;
+  allow_dependent_launch();  // the sums' blocks may start their staging once every block here has begun
   if constexpr (kFill) {
     const int64_t threads = static_cast<int64_t>(gridDim.x) * blockDim.x;
     for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < zero_vectors; i += threads) {
@@ -143,93 +163,98 @@ __global__ void __launch_bounds__(kThreads) sorted_point_gradients_kernel(
     }
   }
   if (blockIdx.x == 0 && threadIdx.x == 0) *long_gaps = 0;
-  const int team = 1 << team_log2;
-  const int lane = threadIdx.x & (team - 1);
-  const int64_t point = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> team_log2;
-  const int points_per_item = p.levels * p.points;
-  if (point >= static_cast<int64_t>(p.num_items) * points_per_item) return;  // whole teams: team divides the block
-  const int item = static_cast<int>(point / points_per_item);
-  const int level_point = static_cast<int>(point % points_per_item);
-  const int64_t first_entry = order.first_entry(item, level_point);
-  int32_t* point_keys = keys + first_entry;
-  acc_t* point_weights = entry_weights + first_entry;
-  if (lane == 0 && entry_index != nullptr) {  // cub's payload: each entry's own index
-    const int32_t e = static_cast<int32_t>(first_entry);
-    *reinterpret_cast<int4*>(entry_index + first_entry) = make_int4(e, e + 1, e + 2, e + 3);
-  }
-  // A point's four entries are consecutive and start at a multiple of 4: one vector store each.
-  const auto write_entries = [&](const int (&key)[4], const acc_t (&weight)[4]) {
-    *reinterpret_cast<int4*>(point_keys) = make_int4(key[0], key[1], key[2], key[3]);
-    store_vec(point_weights, Vec<acc_t, 4>{{weight[0], weight[1], weight[2], weight[3]}});
-  };
-  const auto no_entries = [&] {  // the invalid key, one past the last pixel, sorts last
-    write_entries({p.num_keys, p.num_keys, p.num_keys, p.num_keys}, {acc_t(0), acc_t(0), acc_t(0), acc_t(0)});
-  };
-  if (!level_geometry_ok(p.spatial_shapes, p.level_start, p.levels, p.num_keys)) {
-    if (lane == 0) {  // as every backward kernel: NaN coordinate gradients, value gradients zero
+  if (!block_level_geometry_ok(p.spatial_shapes, p.level_start, p.levels, p.num_keys)) {  // uniform over the grid
+    const int64_t points = static_cast<int64_t>(p.num_items) * p.levels * p.points;
+    for (int64_t point = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; point < points;
+         point += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+      // As every backward kernel: NaN coordinate gradients, value gradients zero.
       grad_weights[point] = quiet_nan<coord_t>();
       grad_locations[2 * point] = grad_locations[2 * point + 1] = quiet_nan<coord_t>();
-      no_entries();
+      // No entries: entries are whole fours, so these cover every one whatever its point.
+      const int32_t e = static_cast<int32_t>(4 * point);
+      *reinterpret_cast<int4*>(keys + e) = make_int4(p.num_keys, p.num_keys, p.num_keys, p.num_keys);
+      store_vec(entry_weights + e, Vec<acc_t, 4>{});
+      if (entry_index != nullptr) *reinterpret_cast<int4*>(entry_index + e) = make_int4(e, e + 1, e + 2, e + 3);
     }
     return;
   }
-  const int level = level_point / p.points;
-  const int head = item % p.heads;
-  const int batch = item / (p.queries * p.heads);
+  const int team = 1 << team_log2;
+  const int lane = threadIdx.x & (team - 1);
+  // 32-bit indices (the corners number fewer than 2^31: sorted_backward_unsupported), and no lane
+  // leaves before the team's sums, so that they shuffle over the whole warp with a constant mask.
+  const int64_t thread = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int points_per_item = p.levels * p.points;
+  const bool in_range = thread < (static_cast<int64_t>(p.num_items) * points_per_item << team_log2);  // whole teams
+  const int point = in_range ? static_cast<int>(thread >> team_log2) : 0;
+  const int item = static_cast<int>(index.by_points_per_item.divide(point));
+  const int level_point = point - item * points_per_item;
+  const int level = static_cast<int>(index.by_points.divide(level_point));
+  const int first_entry = static_cast<int>(order.first_entry(item, level_point));  // its 4 entries
   const LevelGeometry g = level_geometry(p.spatial_shapes, p.level_start, level);
   const coord_t a = p.weights[point];
-  const Bilinear<coord_t> bl = bilinear(p.locations[2 * point], p.locations[2 * point + 1], g.height, g.width);
-  if (!bl.valid) {  // uniform across the team
-    if (lane == 0) {
-      grad_weights[point] = coord_t(0);
-      grad_locations[2 * point] = grad_locations[2 * point + 1] = coord_t(0);
-      no_entries();
-    }
-    return;
-  }
+  Bilinear<coord_t> bl = bilinear(p.locations[2 * point], p.locations[2 * point + 1], g.height, g.width);
+  if (!in_range) bl.valid = 0u;
   const int channel = lane * LANE;
   const bool active = channel < p.channels;
-  acc_t go[LANE];
-  if (active) {
-    to_acc(load_lane<scalar_t, LANE>(grad_output + static_cast<int64_t>(item) * p.channels + channel), go);
-  } else {
-#pragma unroll
-    for (int k = 0; k < LANE; ++k) go[k] = acc_t(0);
-  }
+  const int batch_query = static_cast<int>(order.by_heads.divide(item));
+  const int head = item - batch_query * p.heads;
+  const int batch = static_cast<int>(order.by_queries.divide(batch_query));
   const int pixel00 = static_cast<int>(g.start) + bl.y0 * g.width + bl.x0;
-  int pixels[4];
-  Vec<scalar_t, LANE> raw[4];
+  const auto pixel_of = [&](int c) { return pixel00 + ((c & 1) ? 1 : 0) + ((c & 2) ? g.width : 0); };
+  acc_t dot[4] = {acc_t(0), acc_t(0), acc_t(0), acc_t(0)};
+  if (bl.valid != 0u) {  // uniform over the team
+    // Every load unconditional, from rows clamped into the level and lanes past the channels
+    // reading channel 0, their dots dropped after: with predicated loads into zeroed registers
+    // ptxas issued two of the five after the first dots, a second round trip (SASS, session 41).
+    const int lane_channel = active ? channel : 0;
+    const Vec<scalar_t, LANE> go = load_lane<scalar_t, LANE>(grad_output + static_cast<int64_t>(item) * p.channels + lane_channel);
+    const int x0 = max(bl.x0, 0), x1 = min(bl.x0 + 1, g.width - 1);
+    const int y0 = max(bl.y0, 0), y1 = min(bl.y0 + 1, g.height - 1);
+    const int64_t key_row = static_cast<int64_t>(p.heads) * p.channels;
+    const scalar_t* base = p.value + (static_cast<int64_t>(batch) * p.num_keys + g.start) * key_row +
+                           static_cast<int64_t>(head) * p.channels + lane_channel;
+    Vec<scalar_t, LANE> raw[4];
 #pragma unroll
-  for (int c = 0; c < 4; ++c) {  // all four loads in flight before the dots
-    pixels[c] = pixel00 + ((c & 1) ? 1 : 0) + ((c & 2) ? g.width : 0);
-    const int64_t cell = (static_cast<int64_t>(batch) * p.num_keys + pixels[c]) * p.heads + head;
-    raw[c] = (bl.valid & (1u << c)) && active ? load_lane<scalar_t, LANE>(p.value + cell * p.channels + channel)
-                                              : Vec<scalar_t, LANE>{};
+    for (int c = 0; c < 4; ++c) {  // all five loads in flight before the dots
+      const int pixel = ((c & 2) ? y1 : y0) * g.width + ((c & 1) ? x1 : x0);
+      raw[c] = load_lane<scalar_t, LANE>(base + pixel * key_row);
+    }
+    acc_t g_acc[LANE];
+    to_acc(go, g_acc);
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      acc_t v[LANE];
+      to_acc(raw[c], v);
+      acc_t d = acc_t(0);
+#pragma unroll
+      for (int k = 0; k < LANE; ++k) d = fma(g_acc[k], v[k], d);
+      dot[c] = active && (bl.valid & (1u << c)) ? d : acc_t(0);
+    }
   }
-  acc_t dot[4];
-#pragma unroll
-  for (int c = 0; c < 4; ++c) {
-    acc_t v[LANE];
-    to_acc(raw[c], v);
-    dot[c] = acc_t(0);
-#pragma unroll
-    for (int k = 0; k < LANE; ++k) dot[c] = fma(go[k], v[k], dot[c]);
-  }
-  const unsigned mask = team_mask(team);
-  const CornerDotGradients<acc_t> grads = team_corner_dot_gradients(bl, dot, mask, team);
-  if (lane == 0) {
-    grad_weights[point] = grads.attention;
-    grad_locations[2 * point] = a * coord_t(g.width) * grads.x;
-    grad_locations[2 * point + 1] = a * coord_t(g.height) * grads.y;
+  const coord_t ly = bl.ly, lx = bl.lx, hy = coord_t(1) - ly, hx = coord_t(1) - lx;
+  const acc_t grad_a = warp_team_sum<acc_t>(hy * hx * dot[0] + hy * lx * dot[1] + ly * hx * dot[2] + ly * lx * dot[3], team);
+  const acc_t grad_x = warp_team_sum<acc_t>(hy * (dot[1] - dot[0]) + ly * (dot[3] - dot[2]), team);
+  const acc_t grad_y = warp_team_sum<acc_t>(hx * (dot[2] - dot[0]) + lx * (dot[3] - dot[1]), team);
+  if (lane == 0 && in_range) {  // a point that misses its level: zero gradients and no entries
+    const bool sampled = bl.valid != 0u;
+    grad_weights[point] = grad_a;
+    grad_locations[2 * point] = sampled ? a * coord_t(g.width) * grad_x : coord_t(0);
+    grad_locations[2 * point + 1] = sampled ? a * coord_t(g.height) * grad_y : coord_t(0);
     int key[4];
     acc_t weight[4];
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
       const bool valid = bl.valid & (1u << c);
-      key[c] = valid ? pixels[c] : p.num_keys;
+      key[c] = valid ? pixel_of(c) : p.num_keys;
       weight[c] = valid ? static_cast<acc_t>(a * bl.weight(c)) : acc_t(0);
     }
-    write_entries(key, weight);
+    // A point's four entries are consecutive and start at a multiple of 4: one vector store each.
+    *reinterpret_cast<int4*>(keys + first_entry) = make_int4(key[0], key[1], key[2], key[3]);
+    store_vec(entry_weights + first_entry, Vec<acc_t, 4>{{weight[0], weight[1], weight[2], weight[3]}});
+    if (entry_index != nullptr) {  // cub's payload: each entry's own index
+      *reinterpret_cast<int4*>(entry_index + first_entry) =
+          make_int4(first_entry, first_entry + 1, first_entry + 2, first_entry + 3);
+    }
   }
 }
 
@@ -605,12 +630,8 @@ __global__ void __launch_bounds__(kLevelSortThreads, 1) sort_and_sum_level_runs_
   scalar_t* staged_rows = reinterpret_cast<scalar_t*>(level_stage + (level_entries * sizeof(acc_t) + 15) / 16 * 16);
   const scalar_t* group_rows = grad_output + (static_cast<int64_t>(batch) * queries * order.heads + head) * channels;
   {
-    // A query's run of weights is whole 16-byte pieces (run is a multiple of 4), as is a row.
-    constexpr int kWeightsPerPiece = 16 / sizeof(acc_t);
-    for (int piece = threadIdx.x; piece * kWeightsPerPiece < level_entries; piece += kLevelSortThreads) {
-      const int local = piece * kWeightsPerPiece;
-      copy_16_async(weights + local, entry_weights + entry_of(local));
-    }
+    // The output-gradient rows first: they do not depend on the point kernel, whose end the block
+    // then waits for (launched as its dependent, it may begin while the point kernel drains).
     if (stage_rows) {
       constexpr int kElementsPerPiece = 16 / sizeof(scalar_t);
       const int row_pieces = channels / kElementsPerPiece;
@@ -619,6 +640,13 @@ __global__ void __launch_bounds__(kLevelSortThreads, 1) sort_and_sum_level_runs_
         const int query = piece / row_pieces, at = (piece - query * row_pieces) * kElementsPerPiece;
         copy_16_async(staged_rows + query * channels + at, group_rows + query * row_stride + at);
       }
+    }
+    wait_for_prior_grid();
+    // A query's run of weights is whole 16-byte pieces (run is a multiple of 4), as is a row.
+    constexpr int kWeightsPerPiece = 16 / sizeof(acc_t);
+    for (int piece = threadIdx.x; piece * kWeightsPerPiece < level_entries; piece += kLevelSortThreads) {
+      const int local = piece * kWeightsPerPiece;
+      copy_16_async(weights + local, entry_weights + entry_of(local));
     }
     asm volatile("cp.async.commit_group;" ::: "memory");
   }
@@ -789,11 +817,16 @@ void sort_and_sum_level_runs(const ProblemTensors& problem, int items, int end_b
   // Blocks per level run: up to kMaxRunSplit, while the runs leave SMs idle (a block fills an SM).
   const int64_t runs = problem.batch * problem.heads * levels;
   const int split = static_cast<int>(std::clamp<int64_t>(multiprocessor_count() / runs, 1, kMaxRunSplit));
-  kernel<<<static_cast<unsigned>(runs * split), kLevelSortThreads, weight_bytes + (stage_rows ? row_bytes : 0),
-           current_stream()>>>(
+  const unsigned blocks = static_cast<unsigned>(runs * split);
+  const unsigned shared_bytes = weight_bytes + (stage_rows ? row_bytes : 0);
+  const auto args = std::make_tuple(
       keys.data_ptr<int32_t>(), entry_weights.data_ptr<acc_t>(), grad_output, order, levels, run,
       fast_divisor(static_cast<uint32_t>(run)), end_bit, split, static_cast<int>(problem.num_keys),
       static_cast<int>(problem.channels), team_log2, stage_rows, reinterpret_cast<scalar_t*>(grad_value.data_ptr()));
+  // A dependent launch: the blocks stage their output-gradient rows while the point kernel drains
+  // (1-4 % of the decoder backwards, H100, session 41).
+  std::apply([&](auto... arg) { launch_as_dependent(kernel, blocks, kLevelSortThreads, shared_bytes, current_stream(), arg...); },
+             args);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -910,13 +943,15 @@ Gradients sorted_deterministic_backward(const ProblemTensors& problem, const at:
     using coord_t = coord_type<scalar_t>;
     using acc_t = acc_type<scalar_t>;
     const auto* go = reinterpret_cast<const scalar_t*>(grad_output.data_ptr());
+    const PointIndex point_index{fast_divisor(static_cast<uint32_t>(problem.levels * problem.points)),
+                                 fast_divisor(static_cast<uint32_t>(problem.points))};
     const auto launch_points = [&](auto kernel) {
       // Enough threads that none zeroes more than 8 vectors when the points are few.
       const int64_t blocks = std::max(blocks_for(points << team_log2), blocks_for((zero_vectors + 7) / 8));
       kernel<<<blocks, kThreads, 0, stream>>>(
           problem.problem<scalar_t>(), go, grad_locations.data_ptr<coord_t>(), grad_weights.data_ptr<coord_t>(),
           keys.data_ptr<int32_t>(), sorts_in_blocks ? nullptr : index.data_ptr<int32_t>(), entry_weights.data_ptr<acc_t>(),
-          entry_order, team_log2,
+          entry_order, point_index, team_log2,
           gap_list.data_ptr<int32_t>(), reinterpret_cast<uint4*>(grad_value.data_ptr()), zero_vectors);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     };
