@@ -824,10 +824,15 @@ def cuda_kernel_names(fn) -> set[str]:
 
 # 2^16 keys: 17 key bits beside the small block's 13 index bits.
 WIDE_KEYS_DECODER = ("wide_keys_decoder", [(256, 256)], 2, 40, 2, 8, 2, "local")
-# Level runs (queries x points x 4 corners) of 5,600 and 12,000 entries: the second and third of the
-# sorting block's shapes (to 5,120, 10,240 and 14,848 entries).
+# Level runs (queries x points x 4 corners) of 5,600 and 12,000 entries: the second and last of the
+# sorting block's shapes (to 2,560, 5,632, 7,680, 10,752 and 14,848 entries).
 LONG_RUN_DECODER = ("long_run_decoder", [(96, 128), (48, 64)], 2, 700, 2, 8, 2, "local")
 LONGER_RUN_DECODER = ("longer_run_decoder", [(96, 128), (48, 64)], 1, 1500, 2, 8, 2, "local")
+# Runs of 7,200 and 9,600 entries (the 15- and 21-key shapes) over levels shared by three blocks (36
+# runs) and by four (12 runs), and DINO's decoder: 64 runs of 14,400, two blocks each.
+FIFTEEN_KEY_DECODER = ("fifteen_key_decoder", [(40, 60), (20, 30), (10, 15)], 3, 900, 4, 32, 2, "local")
+TWENTY_ONE_KEY_DECODER = ("twenty_one_key_decoder", [(96, 128), (48, 64), (24, 32)], 1, 1200, 4, 32, 2, "local")
+DINO_DECODER = ("dino_decoder", [(100, 152), (50, 76), (25, 38), (13, 19)], 2, 900, 8, 32, 4, "local")
 # Level runs of 16,000 entries, past the largest block: cub sorts (in place, at 67 corners per key).
 IN_PLACE_DECODER = ("in_place_decoder", [(16, 24), (8, 12)], 1, 1000, 2, 8, 4, "local")
 # 64 channels: teams of 8 lanes, 4 to a warp, sum a run's cells.
@@ -847,6 +852,9 @@ ODD_CHANNELS_DECODER = ("odd_channels_decoder", [(20, 30), (10, 15)], 2, 50, 2, 
         (SPARSE_DECODER, True),
         (LONG_RUN_DECODER, True),
         (LONGER_RUN_DECODER, True),
+        (FIFTEEN_KEY_DECODER, True),
+        (TWENTY_ONE_KEY_DECODER, True),
+        (DINO_DECODER, True),
         (WIDE_KEYS_DECODER, True),
         (WIDE_HEAD_DECODER, True),
         (UNSTAGED_ROWS_DECODER, True),
@@ -857,7 +865,7 @@ ODD_CHANNELS_DECODER = ("odd_channels_decoder", [(20, 30), (10, 15)], 2, 50, 2, 
 )
 def test_sorted_backward_sorts_each_level_run_in_one_block(monkeypatch, backend, dtype, case, sorts_level_runs):
     """Where a (batch, head, level)'s entries fit a block and lanes take 8 elements, one launch sorts
-    each level run and sums its cells (small and large blocks; 17 key bits; 8-64 channels; rows
+    each level run and sums its cells (every block shape; 17 key bits; 8-64 channels; rows
     staged in shared memory or read through L1) in place of cub's device sort and the chunk sums,
     and the gradients match float64, bitwise the same on a second run; past the large block, or
     with single-element lanes, cub sorts."""
@@ -915,8 +923,9 @@ def test_fast_half_precision_backward_sorts_sparse_problems(monkeypatch, backend
     """`auto` gives the fast backward the sorted layout where half-precision values are sparse and
     blocks sort the level runs (the kernels that ran say which layout it took); its gradients match
     float64 and the deterministic backward's bit for bit. Runs past the block sort with cub from 2^20
-    cells and keep the touched cells below; up to four corners per key, blocks sort from 2^18 cells.
-    fp32 values sort where grad_value exceeds the L2 and keep the dense accumulator where it fits."""
+    cells and keep the touched cells below; up to four corners per key, blocks sort from 2^17 cells.
+    Sparse fp32 values sort where the runs are short or at most two blocks share each, and keep the
+    dense accumulator for a few long runs."""
     problem = cuda_problem(LARGE_SPARSE_DECODER, torch.float16, seed=59)
     skip_unless_supported(backend, validate(*problem.args()))
     _, grad_output, exact_grads, geometry32 = float64_answers(problem, torch.float16)
@@ -950,9 +959,12 @@ def test_fast_half_precision_backward_sorts_sparse_problems(monkeypatch, backend
     assert any("sort_and_sum_level_runs_kernel" in n for n in names) and not any("touched" in n for n in names), sorted(names)
     names = kernels_of(denser[:2] + (1,) + denser[3:], torch.bfloat16)  # 61 K cells: the dense buffer
     assert not any("sorted_" in n or "touched" in n for n in names), sorted(names)
-    names = kernels_of(LARGE_SPARSE_DECODER, torch.float32)  # a 157 MB grad_value
+    names = kernels_of(LARGE_SPARSE_DECODER, torch.float32)  # runs of 320 entries
     assert any("sort_and_sum_level_runs_kernel" in n for n in names), sorted(names)
-    names = kernels_of(SPARSE_DECODER, torch.float32)  # 8 MB
+    names = kernels_of(SPARSE_DECODER, torch.float32)  # runs of 160 entries
+    assert any("sort_and_sum_level_runs_kernel" in n for n in names), sorted(names)
+    few_long_runs = ("few_long_runs", [(128, 192), (64, 96)], 1, 900, 2, 32, 4, "local")  # 4 runs of 14,400
+    names = kernels_of(few_long_runs, torch.float32)
     assert not any("sorted_" in n for n in names), sorted(names)
 
 

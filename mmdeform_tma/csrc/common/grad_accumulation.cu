@@ -205,8 +205,9 @@ bool sorted_fast_backward(const ProblemTensors& problem, const at::Tensor& grad_
     return (sparse && (blocks || (problem.num_keys < kSortedFastKeys && cells >= kSortedFastCells))) ||
            (blocks && corners_per_batch_head <= 4 * problem.num_keys && cells >= kSortedFastDenserCells);
   }
-  return sparse && blocks && 4 * problem.queries * problem.points <= kSortedFastFp32RunEntries &&
-         static_cast<int64_t>(problem.value.nbytes()) > current_device_attribute(cudaDevAttrL2CacheSize);
+  const int64_t runs = problem.batch * problem.heads * problem.levels;
+  return sparse && blocks &&
+         (4 * problem.queries * problem.points <= kSortedFastFp32RunEntries || 3 * runs >= multiprocessor_count());
 }
 
 }  // namespace

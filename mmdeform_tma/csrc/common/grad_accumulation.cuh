@@ -152,9 +152,9 @@ constexpr int64_t kSortedCornersPerKey = 64;
 //    the invalid key: two radix passes);
 //  - half-precision values with up to four corners per key where blocks sort the level runs of at
 //    least kSortedFastDenserCells cells;
-//  - fp32 values, sparse, where the small block sorts the level runs (at most
-//    kSortedFastFp32RunEntries entries) and grad_value exceeds the L2, which the dense path's fp32
-//    atomics then thrash.
+//  - fp32 values, sparse, where blocks sort the level runs and either a run is at most
+//    kSortedFastFp32RunEntries entries or at most two blocks share a run (3 x runs >= SMs): a block
+//    sorts all of its run, so long runs pay a sort's latency that few runs do not amortize.
 // Sorted over the automatic layout, `tma_ws`, H100, with the blocks' own sums (session 40, perf_notes
 // item 87), fp16 / bf16: DINO's decoder (900 queries, 2.85 corners per key) bs 1 1.03 / 0.99, bs 2
 // 0.86 / 0.81, bs 4 0.76 / 0.71; 300 queries over levels of half DETR's sides (3.8 corners per key,
@@ -171,11 +171,17 @@ constexpr int64_t kSortedCornersPerKey = 64;
 //   bs 8 0.92 / 0.87, bs 16 0.87 / 0.82. 100 queries at bs 8: H100 0.84 / 0.82, H200 0.93 / 0.89.
 //   900 queries over DINO's five levels (89,023 keys) at bs 2: H100 0.91 / 0.87, H200 1.05 / 1.01.
 //   In the sweeps, 2 points at bs 4 (646 K cells) and 8 points at bs 1 (712 K) lost 10-26 %.
+// fp32 with item 91's sort (H100, session 42), sorted over dense: DETR's decoder bs 1 0.88, bs 2
+// 0.92; 100 queries 0.76; 4 heads x 64 channels 0.92; DINO's decoder (14,400-entry runs) bs 2 0.96,
+// bs 1 (32 runs, four blocks each) 1.055. The L2 bound of session 40's rule went: with the lean
+// point kernel (item 89) sorting won where grad_value fits the L2 too.
 // The H200's bandwidth favours the touched cells' passes, hence 2^20 cells, where both GPUs gain.
 constexpr int64_t kSortedFastCells = int64_t{1} << 20;
 constexpr int64_t kSortedFastKeys = int64_t{1} << 16;
-constexpr int64_t kSortedFastDenserCells = int64_t{1} << 18;
-constexpr int64_t kSortedFastFp32RunEntries = 5120;
+// Up to four corners per key, 2^17 cells: DINO's bs 1 decoder (161 K cells, 2.85 corners per key)
+// sorted 0.77x / 0.80x the touched cells in fp16 / bf16 with items 89-91 (H100, session 42).
+constexpr int64_t kSortedFastDenserCells = int64_t{1} << 17;
+constexpr int64_t kSortedFastFp32RunEntries = 5632;  // the 11-key block sort
 
 // The layout for this problem. MMDEFORM_TMA_GRAD_VALUE_LAYOUT=dense|touched|sorted forces one (for
 // measurements; forcing one where it cannot run raises with the reason; `sorted` applies to the

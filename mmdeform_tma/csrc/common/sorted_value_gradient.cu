@@ -2,7 +2,7 @@
 
 // The toolkit's cub: its symbols sit in a namespace versioned by release and architecture
 // (cub::CUB_300001_SM_900 with CUDA 13.0), torch's copy in at_cuda_detail, so the two cannot clash.
-#include <cub/block/block_radix_sort.cuh>
+#include <cub/block/block_radix_rank.cuh>
 #include <cub/device/device_radix_sort.cuh>
 
 #include "cuda_runtime_utils.h"
@@ -565,23 +565,40 @@ void sort_entries(const at::Tensor& keys, const at::Tensor& index, at::Tensor& s
 
 // Steps 2 and 3 where each (batch, head, level)'s entries (a level run) fit one block: a block sorts
 // them by pixel in shared memory, and sums their cells there. A key packs (pixel << index bits |
-// index in the level's run) and the sort reads the pixel's bits only; cub's block sort is stable in
-// the blocked arrangement, so a cell keeps its entries in EntryOrder's order, as cub's device sort
-// does. The sort alone, in one launch of groups x levels blocks, took 9.1 us for DETR's bs 2 decoder
-// (64 runs of 4,800 entries) against cub's 32.6 us with its memsets (H100, session 39, perf_notes
-// item 86); summing in the same blocks then saved the chunk sums and the carry (item 87).
+// index in the level's run) and the sort reads the pixel's bits only: cub's block radix ranking, 5
+// bits a pass, stable in the blocked arrangement, so a cell keeps its entries in EntryOrder's order,
+// as cub's device sort does. The sort alone, in one launch of groups x levels blocks, took 9.1 us for
+// DETR's bs 2 decoder (64 runs of 4,800 entries) against cub's 32.6 us with its memsets (H100,
+// session 39, perf_notes item 86); summing in the same blocks then saved the chunk sums and the
+// carry (item 87). Each pass scatters the keys by rank straight into the run's array, where the
+// sums read them: cub's whole block sort, with its last pass to registers and a copy back to shared
+// memory, took 38.6 us against 36.8 on DINO's fp16 decoder (H100, session 42, item 91).
 constexpr int kLevelSortThreads = 512;
-// Three block shapes, the smallest that holds a run, since a thread's keys set the sort's latency
-// (DINO's five levels, 8 points, bs 1: 9,600-entry runs, fp16 backward 0.0698 ms in 20 keys a
-// thread, 0.0781 in 29; H100, session 39). They hold runs of up to 5,120 entries (DETR's 300
-// queries x 4 points), 10,240 and 14,848 (900 x 4); with the sums, ptxas gives them 87, 117 and 128
-// registers (29 keys a thread is the most that fits without spilling at 512 threads).
-constexpr int kLevelSortItems[] = {10, 20, 29};
+constexpr int kRadixBits = 5;
+constexpr int kRadixDigits = 1 << kRadixBits;
+using LevelRank = cub::BlockRadixRank<kLevelSortThreads, kRadixBits, false>;
+// Keys a thread ranks: the smallest shape that holds a run, since a thread's keys set the sort's
+// latency (DINO's five levels, 8 points, bs 1: 9,600-entry runs, fp16 backward 0.0698 ms in 20 keys
+// a thread, 0.0781 in 29; H100, session 39). They hold up to 2,560, 5,632 (DETR's 300 queries x 4
+// points), 7,680, 10,752 and 14,848 entries (900 x 4); odd, so that a warp's blocked reads of the
+// run's array meet no bank conflicts; 29 keys a thread is the most that fits 512 threads' registers
+// without spilling.
+constexpr int kLevelSortItems[] = {5, 11, 15, 21, 29};
 constexpr int index_bits_for(int capacity) { return capacity <= 1 ? 0 : 1 + index_bits_for((capacity + 1) / 2); }
 
 // The most blocks that share a level run (each sorts all of it and sums a part), while the runs are
 // fewer than the SMs.
 constexpr int kMaxRunSplit = 4;
+
+// The front of a block's dynamic shared memory: the ranking's counters during a pass, the run's keys
+// between passes and sorted after the last, then the teams' lead sums (fp32 rows and a flag each).
+__host__ __device__ constexpr int sort_region_bytes(int run_capacity) {
+  constexpr int kRankBytes = static_cast<int>(sizeof(typename LevelRank::TempStorage));
+  constexpr int kLeadBytes = (8 * static_cast<int>(sizeof(float)) + static_cast<int>(sizeof(int))) * kLevelSortThreads;
+  const int keys = 4 * run_capacity;
+  const int bytes = keys > kRankBytes ? keys : kRankBytes;
+  return ((bytes > kLeadBytes ? bytes : kLeadBytes) + 15) / 16 * 16;
+}
 
 // cp.async of 16 bytes from global to shared memory: the staging loads stay in flight through the
 // sort that follows them.
@@ -592,6 +609,12 @@ __device__ __forceinline__ void copy_16_async(void* shared, const void* global) 
 }
 
 __device__ __forceinline__ void wait_copies_async() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+
+// A pass's digit of a packed key.
+struct PixelDigit {
+  uint32_t first_bit, mask;
+  __device__ __forceinline__ uint32_t Digit(uint32_t key) const { return (key >> first_bit) & mask; }
+};
 
 // A cell's entries all lie in one level run (a pixel belongs to one level), so the block that sorts a
 // run can also sum its cells, and the sorted order never leaves shared memory. Before the sort the
@@ -604,17 +627,12 @@ template <typename scalar_t, int kItems>
 __global__ void __launch_bounds__(kLevelSortThreads, 1) sort_and_sum_level_runs_kernel(
     const int32_t* __restrict__ keys, const acc_type<scalar_t>* __restrict__ entry_weights,
     const scalar_t* __restrict__ grad_output, const EntryOrder order, int levels, int run, FastDivisor by_run, int end_bit,
-    int split, int num_keys, int channels, int team_log2, bool stage_rows, scalar_t* __restrict__ grad_value) {
+    int split, int index_bits, int num_keys, int channels, int team_log2, bool stage_rows,
+    scalar_t* __restrict__ grad_value) {
   using acc_t = acc_type<scalar_t>;
   constexpr int LANE = kLaneElements;
-  constexpr int kIndexBits = index_bits_for(kLevelSortThreads * kItems);
-  constexpr uint32_t kIndexMask = (1u << kIndexBits) - 1u;
-  using LevelSort = cub::BlockRadixSort<uint32_t, kLevelSortThreads, kItems, cub::NullType, 5, true>;
-  static_assert(sizeof(typename LevelSort::TempStorage) >= sizeof(uint32_t) * kLevelSortThreads * kItems,
-                "the sorted run is kept in the sort's storage");
-  static_assert(sizeof(typename LevelSort::TempStorage) >= (sizeof(acc_t) * LANE + sizeof(int)) * kLevelSortThreads,
-                "and then the teams' lead pieces");
-  __shared__ typename LevelSort::TempStorage storage;
+  constexpr int kCapacity = kLevelSortThreads * kItems;
+  static_assert(sizeof(acc_t) == sizeof(float), "the lead sums' region is sized for fp32 rows");
   extern __shared__ __align__(16) unsigned char level_stage[];
   const int level_run = static_cast<int>(blockIdx.x) / split, part = static_cast<int>(blockIdx.x) - level_run * split;
   const int group = level_run / levels, level = level_run - group * levels;
@@ -626,8 +644,12 @@ __global__ void __launch_bounds__(kLevelSortThreads, 1) sort_and_sum_level_runs_
     const int query = static_cast<int>(by_run.divide(local));
     return group_first + query * order.corners_per_query + level * run + (local - query * run);
   };
-  acc_t* weights = reinterpret_cast<acc_t*>(level_stage);
-  scalar_t* staged_rows = reinterpret_cast<scalar_t*>(level_stage + (level_entries * sizeof(acc_t) + 15) / 16 * 16);
+  uint32_t* sorted = reinterpret_cast<uint32_t*>(level_stage);
+  auto& rank_storage = *reinterpret_cast<typename LevelRank::TempStorage*>(level_stage);
+  const int region_bytes = sort_region_bytes(kCapacity);
+  acc_t* weights = reinterpret_cast<acc_t*>(level_stage + region_bytes);
+  scalar_t* staged_rows =
+      reinterpret_cast<scalar_t*>(level_stage + region_bytes + (level_entries * sizeof(acc_t) + 15) / 16 * 16);
   const scalar_t* group_rows = grad_output + (static_cast<int64_t>(batch) * queries * order.heads + head) * channels;
   {
     // The output-gradient rows first: they do not depend on the point kernel, whose end the block
@@ -650,30 +672,38 @@ __global__ void __launch_bounds__(kLevelSortThreads, 1) sort_and_sum_level_runs_
     }
     asm volatile("cp.async.commit_group;" ::: "memory");
   }
+  // The run's keys, blocked: thread x kItems + k.
+  const int first_local = static_cast<int>(threadIdx.x) * kItems;
   uint32_t packed[kItems];
 #pragma unroll
   for (int k = 0; k < kItems; ++k) {
-    const int local = static_cast<int>(threadIdx.x) * kItems + k;  // blocked: the input order
+    const int local = first_local + k;
     packed[k] = local < level_entries
-                    ? (static_cast<uint32_t>(keys[entry_of(local)]) << kIndexBits) | static_cast<uint32_t>(local)
+                    ? (static_cast<uint32_t>(keys[entry_of(local)]) << index_bits) | static_cast<uint32_t>(local)
                     : 0xffffffffu;  // past the run: sorts last
   }
-  LevelSort(storage).SortBlockedToStriped(packed, kIndexBits, kIndexBits + end_bit);
-  wait_copies_async();
-  __syncthreads();  // every thread is done with the sort's storage, and every copy has landed
-  uint32_t* sorted = reinterpret_cast<uint32_t*>(&storage);
+  // Least significant digit first; the last pass leaves the keys sorted in the run's array.
+  for (int bit = index_bits, last = index_bits + end_bit; bit < last; bit += kRadixBits) {
+    const PixelDigit digit{static_cast<uint32_t>(bit), (1u << min(kRadixBits, last - bit)) - 1u};
+    int rank[kItems];
+    LevelRank(rank_storage).RankKeys(packed, rank, digit);
+    __syncthreads();  // every thread's counters are read: the keys take their place
 #pragma unroll
-  for (int k = 0; k < kItems; ++k) {
-    const int rank = k * kLevelSortThreads + static_cast<int>(threadIdx.x);
-    if (rank < level_entries) sorted[rank] = packed[k];
+    for (int k = 0; k < kItems; ++k) sorted[rank[k]] = packed[k];
+    __syncthreads();
+    if (bit + kRadixBits >= last) break;
+#pragma unroll
+    for (int k = 0; k < kItems; ++k) packed[k] = sorted[first_local + k];
+    __syncthreads();  // read before the next pass's counters overwrite them
   }
-  __syncthreads();
-  const auto pixel_at = [&](int rank) { return static_cast<int>(sorted[rank] >> kIndexBits); };
-  // The run's `split` blocks each sort all of it (the SMs would idle otherwise) and sum the cells of
-  // one part: from the first cell boundary at or past part x entries / split, so no cell crosses
-  // blocks, to the next part's start. Where the runs are fewer than the SMs, this keeps them busy:
-  // with one block per run the sums took 19 us beyond the sort's 9 on DETR's bs 2 fp16 decoder, 64
-  // runs on 132 SMs (H100, session 40).
+  wait_copies_async();
+  __syncthreads();  // every copy has landed
+  const auto pixel_at = [&](int rank) { return static_cast<int>(sorted[rank] >> index_bits); };
+  const uint32_t index_mask = (1u << index_bits) - 1u;
+  // The run's `split` blocks each sum the cells of one part: from the first cell boundary at or
+  // past part x entries / split, so no cell crosses blocks, to the next part's start. Where the
+  // runs are fewer than the SMs, this keeps them busy: with one block per run the sums took 19 us
+  // beyond the sort's 9 on DETR's bs 2 fp16 decoder, 64 runs on 132 SMs (H100, session 40).
   const auto part_start = [&](int k) {
     int lo = static_cast<int>(static_cast<int64_t>(k) * level_entries / split);
     if (lo == 0 || lo == level_entries) return lo;
@@ -717,7 +747,7 @@ __global__ void __launch_bounds__(kLevelSortThreads, 1) sort_and_sum_level_runs_
     using index_t = std::conditional_t<kStaged, int, int64_t>;  // staged rows fit shared memory
     const index_t row_stride = kStaged ? channels : static_cast<index_t>(order.heads) * channels;
     const auto add = [&](uint32_t key, acc_t (&into)[LANE]) {
-      const uint32_t local = key & kIndexMask;
+      const uint32_t local = key & index_mask;
       const acc_t weight = weights[local];
       const index_t at = static_cast<index_t>(by_run.divide(local)) * row_stride + channel;
       Vec<scalar_t, LANE> row{};
@@ -734,7 +764,7 @@ __global__ void __launch_bounds__(kLevelSortThreads, 1) sort_and_sum_level_runs_
     if (lead) {
       for (; e < end; ++e) {
         const uint32_t key = sorted[e];
-        if (static_cast<int>(key >> kIndexBits) != cell_pixel) break;
+        if (static_cast<int>(key >> index_bits) != cell_pixel) break;
         add(key, lead_sum);
       }
       if (e < end) {
@@ -745,7 +775,7 @@ __global__ void __launch_bounds__(kLevelSortThreads, 1) sort_and_sum_level_runs_
 #pragma unroll 2
     for (; e < end; ++e) {
       const uint32_t key = sorted[e];
-      const int pixel = static_cast<int>(key >> kIndexBits);
+      const int pixel = static_cast<int>(key >> index_bits);
       if (pixel != cell_pixel) {  // a piece ends
         if (cell_pixel != num_keys) write_row(cell_pixel, sum);
         cell_pixel = pixel;
@@ -768,7 +798,7 @@ __global__ void __launch_bounds__(kLevelSortThreads, 1) sort_and_sum_level_runs_
   const bool trailing = !lead_only && continues;
   if (!lead_only && !continues && begin < end && cell_pixel != num_keys) write_row(cell_pixel, sum);
   __syncthreads();  // every team is done with the sorted ranks: their storage takes the lead pieces
-  acc_t* lead_sums = reinterpret_cast<acc_t*>(&storage);  // [teams][channels]
+  acc_t* lead_sums = reinterpret_cast<acc_t*>(level_stage);  // [teams][channels]
   int* lead_ends_here = reinterpret_cast<int*>(lead_sums + teams * channels);
   if (lead && active) {
 #pragma unroll
@@ -786,42 +816,50 @@ __global__ void __launch_bounds__(kLevelSortThreads, 1) sort_and_sum_level_runs_
   }
 }
 
-// The block shape that sorts and sums the problem's level runs, or 0 where none applies: fp64 values
-// or single-element lanes (cub sorts them), runs longer than the large block, or pixel and index bits
-// past 32.
-int level_sort_items(const ProblemTensors& problem, const at::Tensor& grad_output, int end_bit) {
-  if (problem.value.scalar_type() == at::kDouble || lane_elements(problem, grad_output) != kLaneElements) return 0;
+// The block shape that sorts the problem's level runs, keys a thread (0 where none applies: fp64
+// values or single-element lanes, which cub sorts, runs longer than the large block, or pixel and
+// index bits past 32) and the index bits of a key.
+struct LevelSortShape {
+  int items = 0, index_bits = 0;
+};
+
+LevelSortShape level_sort_shape(const ProblemTensors& problem, const at::Tensor& grad_output, int end_bit) {
+  if (problem.value.scalar_type() == at::kDouble || lane_elements(problem, grad_output) != kLaneElements) return {};
   const int64_t run_entries = 4 * problem.queries * problem.points;
   for (const int items : kLevelSortItems) {
-    const int capacity = kLevelSortThreads * items;
-    if (run_entries <= capacity && end_bit + index_bits_for(capacity) <= 32) return items;
+    const int capacity = kLevelSortThreads * items, index_bits = index_bits_for(capacity);
+    if (run_entries <= capacity && end_bit + index_bits <= 32) return {items, index_bits};
   }
-  return 0;
+  return {};
 }
 
 template <typename scalar_t>
-void sort_and_sum_level_runs(const ProblemTensors& problem, int items, int end_bit, const at::Tensor& keys,
-                             const at::Tensor& entry_weights, const scalar_t* grad_output, const EntryOrder& order,
-                             int team_log2, const at::Tensor& grad_value) {
+void sort_and_sum_level_runs(const ProblemTensors& problem, const LevelSortShape& shape, int end_bit,
+                             const at::Tensor& keys, const at::Tensor& entry_weights, const scalar_t* grad_output,
+                             const EntryOrder& order, int team_log2, const at::Tensor& grad_value) {
   using acc_t = acc_type<scalar_t>;
-  const auto kernel = items == kLevelSortItems[0]   ? sort_and_sum_level_runs_kernel<scalar_t, kLevelSortItems[0]>
-                      : items == kLevelSortItems[1] ? sort_and_sum_level_runs_kernel<scalar_t, kLevelSortItems[1]>
-                                                    : sort_and_sum_level_runs_kernel<scalar_t, kLevelSortItems[2]>;
+  const auto kernel = shape.items == kLevelSortItems[0]   ? sort_and_sum_level_runs_kernel<scalar_t, kLevelSortItems[0]>
+                      : shape.items == kLevelSortItems[1] ? sort_and_sum_level_runs_kernel<scalar_t, kLevelSortItems[1]>
+                      : shape.items == kLevelSortItems[2] ? sort_and_sum_level_runs_kernel<scalar_t, kLevelSortItems[2]>
+                      : shape.items == kLevelSortItems[3] ? sort_and_sum_level_runs_kernel<scalar_t, kLevelSortItems[3]>
+                                                          : sort_and_sum_level_runs_kernel<scalar_t, kLevelSortItems[4]>;
   const int run = static_cast<int>(4 * problem.points);
+  const int region_bytes = sort_region_bytes(kLevelSortThreads * shape.items);
   const int weight_bytes = static_cast<int>((problem.queries * run * sizeof(acc_t) + 15) / 16 * 16);
   const int64_t row_bytes = problem.queries * problem.channels * static_cast<int64_t>(sizeof(scalar_t));
   const int limit = dynamic_shared_limit(reinterpret_cast<const void*>(kernel));
-  TORCH_CHECK(weight_bytes <= limit, "mmdeform_tma sorted backward: a level run's weights exceed shared memory");
-  const bool stage_rows = weight_bytes + row_bytes <= limit;  // else the rows are read through L1
+  TORCH_CHECK(region_bytes + weight_bytes <= limit,
+              "mmdeform_tma sorted backward: a level run's keys and weights exceed shared memory");
+  const bool stage_rows = region_bytes + weight_bytes + row_bytes <= limit;  // else the rows are read through L1
   const int levels = static_cast<int>(problem.levels);
   // Blocks per level run: up to kMaxRunSplit, while the runs leave SMs idle (a block fills an SM).
   const int64_t runs = problem.batch * problem.heads * levels;
   const int split = static_cast<int>(std::clamp<int64_t>(multiprocessor_count() / runs, 1, kMaxRunSplit));
   const unsigned blocks = static_cast<unsigned>(runs * split);
-  const unsigned shared_bytes = weight_bytes + (stage_rows ? row_bytes : 0);
+  const unsigned shared_bytes = region_bytes + weight_bytes + (stage_rows ? row_bytes : 0);
   const auto args = std::make_tuple(
       keys.data_ptr<int32_t>(), entry_weights.data_ptr<acc_t>(), grad_output, order, levels, run,
-      fast_divisor(static_cast<uint32_t>(run)), end_bit, split, static_cast<int>(problem.num_keys),
+      fast_divisor(static_cast<uint32_t>(run)), end_bit, split, shape.index_bits, static_cast<int>(problem.num_keys),
       static_cast<int>(problem.channels), team_log2, stage_rows, reinterpret_cast<scalar_t*>(grad_value.data_ptr()));
   // A dependent launch: the blocks stage their output-gradient rows while the point kernel drains
   // (1-4 % of the decoder backwards, H100, session 41).
@@ -846,7 +884,7 @@ int key_end_bit(const ProblemTensors& problem) {
 // 0.104 ms, DETR's bs 4 fp32 decoder 0.129 -> 0.097, a 512 x 512 image's 300-query decoder 0.071 ->
 // 0.046 (5.5 corners per key).
 bool zeroes_in_place(const ProblemTensors& problem, const at::Tensor& grad_output) {
-  if (level_sort_items(problem, grad_output, key_end_bit(problem)) != 0) return false;
+  if (level_sort_shape(problem, grad_output, key_end_bit(problem)).items != 0) return false;
   return 4 * problem.queries * problem.levels * problem.points >= 2 * problem.num_keys ||
          (problem.value.element_size() >= 4 &&
           static_cast<int64_t>(problem.value.nbytes()) > current_device_attribute(cudaDevAttrL2CacheSize));
@@ -857,7 +895,7 @@ int64_t blocks_for(int64_t threads) { return (threads + kThreads - 1) / kThreads
 }  // namespace
 
 bool sorts_level_runs(const ProblemTensors& problem, const at::Tensor& grad_output) {
-  return level_sort_items(problem, grad_output, key_end_bit(problem)) != 0;
+  return level_sort_shape(problem, grad_output, key_end_bit(problem)).items != 0;
 }
 
 std::string sorted_backward_unsupported(const ProblemTensors& problem, const at::Tensor& grad_output) {
@@ -896,8 +934,8 @@ Gradients sorted_deterministic_backward(const ProblemTensors& problem, const at:
   const auto acc_dtype = problem.value.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   const auto int_options = problem.value.options().dtype(at::kInt);
   const int end_bit = key_end_bit(problem);
-  const int level_items = level_sort_items(problem, grad_output, end_bit);
-  const bool sorts_in_blocks = level_items != 0;
+  const LevelSortShape level_sort = level_sort_shape(problem, grad_output, end_bit);
+  const bool sorts_in_blocks = level_sort.items != 0;
   const bool in_place = zeroes_in_place(problem, grad_output);
   const at::Tensor keys = uninitialized({entries}, int_options);
   // cub's payload and output; the blocks keep theirs in shared memory.
@@ -962,7 +1000,7 @@ Gradients sorted_deterministic_backward(const ProblemTensors& problem, const at:
     }
     if constexpr (!std::is_same_v<scalar_t, double>) {  // fp64 never sorts in blocks
       if (sorts_in_blocks) {
-        sort_and_sum_level_runs<scalar_t>(problem, level_items, end_bit, keys, entry_weights, go, entry_order, team_log2,
+        sort_and_sum_level_runs<scalar_t>(problem, level_sort, end_bit, keys, entry_weights, go, entry_order, team_log2,
                                           grad_value);
         return;
       }
