@@ -924,8 +924,8 @@ def test_fast_half_precision_backward_sorts_sparse_problems(monkeypatch, backend
     blocks sort the level runs (the kernels that ran say which layout it took); its gradients match
     float64 and the deterministic backward's bit for bit. Runs past the block sort with cub from 2^20
     cells and keep the touched cells below; up to four corners per key, blocks sort from 2^17 cells.
-    Sparse fp32 values sort where the runs are short or at most two blocks share each, and keep the
-    dense accumulator for a few long runs."""
+    fp32 values sort where sparse runs are short, or up to four corners per key where at most two
+    blocks share each run, and keep the dense accumulator for a few long runs."""
     problem = cuda_problem(LARGE_SPARSE_DECODER, torch.float16, seed=59)
     skip_unless_supported(backend, validate(*problem.args()))
     _, grad_output, exact_grads, geometry32 = float64_answers(problem, torch.float16)
@@ -966,6 +966,8 @@ def test_fast_half_precision_backward_sorts_sparse_problems(monkeypatch, backend
     few_long_runs = ("few_long_runs", [(128, 192), (64, 96)], 1, 900, 2, 32, 4, "local")  # 4 runs of 14,400
     names = kernels_of(few_long_runs, torch.float32)
     assert not any("sorted_" in n for n in names), sorted(names)
+    names = kernels_of(DINO_DECODER, torch.float32)  # 2.85 corners per key, 64 runs of 14,400
+    assert any("sort_and_sum_level_runs_kernel" in n for n in names), sorted(names)
 
 
 @pytest.mark.parametrize("backend", COMPILED_BACKENDS)

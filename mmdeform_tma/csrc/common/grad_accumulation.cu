@@ -206,8 +206,9 @@ bool sorted_fast_backward(const ProblemTensors& problem, const at::Tensor& grad_
            (blocks && corners_per_batch_head <= 4 * problem.num_keys && cells >= kSortedFastDenserCells);
   }
   const int64_t runs = problem.batch * problem.heads * problem.levels;
-  return sparse && blocks &&
-         (4 * problem.queries * problem.points <= kSortedFastFp32RunEntries || 3 * runs >= multiprocessor_count());
+  const bool short_runs = 4 * problem.queries * problem.points <= kSortedFastFp32RunEntries;
+  return blocks && ((sparse && short_runs) ||
+                    (corners_per_batch_head <= 4 * problem.num_keys && 3 * runs >= multiprocessor_count()));
 }
 
 }  // namespace

@@ -152,9 +152,10 @@ constexpr int64_t kSortedCornersPerKey = 64;
 //    the invalid key: two radix passes);
 //  - half-precision values with up to four corners per key where blocks sort the level runs of at
 //    least kSortedFastDenserCells cells;
-//  - fp32 values, sparse, where blocks sort the level runs and either a run is at most
-//    kSortedFastFp32RunEntries entries or at most two blocks share a run (3 x runs >= SMs): a block
-//    sorts all of its run, so long runs pay a sort's latency that few runs do not amortize.
+//  - fp32 values where blocks sort the level runs: sparse ones whose runs are at most
+//    kSortedFastFp32RunEntries entries, and up to four corners per key where at most two blocks
+//    share a run (3 x runs >= SMs): a block sorts all of its run, so long runs pay a sort's latency
+//    that few runs do not amortize.
 // Sorted over the automatic layout, `tma_ws`, H100, with the blocks' own sums (session 40, perf_notes
 // item 87), fp16 / bf16: DINO's decoder (900 queries, 2.85 corners per key) bs 1 1.03 / 0.99, bs 2
 // 0.86 / 0.81, bs 4 0.76 / 0.71; 300 queries over levels of half DETR's sides (3.8 corners per key,
@@ -172,8 +173,8 @@ constexpr int64_t kSortedCornersPerKey = 64;
 //   900 queries over DINO's five levels (89,023 keys) at bs 2: H100 0.91 / 0.87, H200 1.05 / 1.01.
 //   In the sweeps, 2 points at bs 4 (646 K cells) and 8 points at bs 1 (712 K) lost 10-26 %.
 // fp32 with item 91's sort (H100, session 42), sorted over dense: DETR's decoder bs 1 0.88, bs 2
-// 0.92; 100 queries 0.76; 4 heads x 64 channels 0.92; DINO's decoder (14,400-entry runs) bs 2 0.96,
-// bs 1 (32 runs, four blocks each) 1.055. The L2 bound of session 40's rule went: with the lean
+// 0.92; 100 queries 0.76; 4 heads x 64 channels 0.92; DINO's decoder (2.85 corners per key,
+// 14,400-entry runs) bs 2 0.95-0.96, bs 1 (32 runs, four blocks each) 1.05. The L2 bound of session 40's rule went: with the lean
 // point kernel (item 89) sorting won where grad_value fits the L2 too.
 // The H200's bandwidth favours the touched cells' passes, hence 2^20 cells, where both GPUs gain.
 constexpr int64_t kSortedFastCells = int64_t{1} << 20;
