@@ -924,8 +924,8 @@ def test_fast_half_precision_backward_sorts_sparse_problems(monkeypatch, backend
     blocks sort the level runs (the kernels that ran say which layout it took); its gradients match
     float64 and the deterministic backward's bit for bit. Runs past the block sort with cub from 2^20
     cells and keep the touched cells below; up to four corners per key, blocks sort from 2^17 cells.
-    fp32 values sort where sparse runs are short, or up to four corners per key where at most two
-    blocks share each run, and keep the dense accumulator for a few long runs."""
+    fp32 values sort where sparse runs are short, or up to four corners per key over 32 runs or
+    more, and keep the dense accumulator for a few long runs."""
     problem = cuda_problem(LARGE_SPARSE_DECODER, torch.float16, seed=59)
     skip_unless_supported(backend, validate(*problem.args()))
     _, grad_output, exact_grads, geometry32 = float64_answers(problem, torch.float16)

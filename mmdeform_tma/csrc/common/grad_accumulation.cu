@@ -208,7 +208,7 @@ bool sorted_fast_backward(const ProblemTensors& problem, const at::Tensor& grad_
   const int64_t runs = problem.batch * problem.heads * problem.levels;
   const bool short_runs = 4 * problem.queries * problem.points <= kSortedFastFp32RunEntries;
   return blocks && ((sparse && short_runs) ||
-                    (corners_per_batch_head <= 4 * problem.num_keys && 3 * runs >= multiprocessor_count()));
+                    (corners_per_batch_head <= 4 * problem.num_keys && runs >= kSortedFastFp32LongRuns));
 }
 
 }  // namespace

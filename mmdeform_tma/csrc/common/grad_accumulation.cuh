@@ -153,9 +153,9 @@ constexpr int64_t kSortedCornersPerKey = 64;
 //  - half-precision values with up to four corners per key where blocks sort the level runs of at
 //    least kSortedFastDenserCells cells;
 //  - fp32 values where blocks sort the level runs: sparse ones whose runs are at most
-//    kSortedFastFp32RunEntries entries, and up to four corners per key where at most two blocks
-//    share a run (3 x runs >= SMs): a block sorts all of its run, so long runs pay a sort's latency
-//    that few runs do not amortize.
+//    kSortedFastFp32RunEntries entries, and up to four corners per key with at least
+//    kSortedFastFp32LongRuns runs: a block sorts all of its run, so a long run pays a sort's latency
+//    that a few runs' dense sums do not.
 // Sorted over the automatic layout, `tma_ws`, H100, with the blocks' own sums (session 40, perf_notes
 // item 87), fp16 / bf16: DINO's decoder (900 queries, 2.85 corners per key) bs 1 1.03 / 0.99, bs 2
 // 0.86 / 0.81, bs 4 0.76 / 0.71; 300 queries over levels of half DETR's sides (3.8 corners per key,
@@ -172,10 +172,11 @@ constexpr int64_t kSortedCornersPerKey = 64;
 //   bs 8 0.92 / 0.87, bs 16 0.87 / 0.82. 100 queries at bs 8: H100 0.84 / 0.82, H200 0.93 / 0.89.
 //   900 queries over DINO's five levels (89,023 keys) at bs 2: H100 0.91 / 0.87, H200 1.05 / 1.01.
 //   In the sweeps, 2 points at bs 4 (646 K cells) and 8 points at bs 1 (712 K) lost 10-26 %.
-// fp32 with item 91's sort (H100, session 42), sorted over dense: DETR's decoder bs 1 0.88, bs 2
-// 0.92; 100 queries 0.76; 4 heads x 64 channels 0.92; DINO's decoder (2.85 corners per key,
-// 14,400-entry runs) bs 2 0.95-0.96, bs 1 (32 runs, four blocks each) 1.05. The L2 bound of session 40's rule went: with the lean
-// point kernel (item 89) sorting won where grad_value fits the L2 too.
+// fp32 with items 91-92's sort (H100, session 42), sorted over dense: DETR's decoder bs 1 0.88,
+// bs 2 0.92; 100 queries 0.76; 4 heads x 64 channels 0.92; DINO's decoder (2.85 corners per key,
+// 14,400-entry runs) bs 2 0.86, bs 1 (32 runs) 0.88 (1.05 before item 92). The L2 bound of
+// session 40's rule went: with the lean point kernel (item 89) sorting won where grad_value fits
+// the L2 too.
 // The H200's bandwidth favours the touched cells' passes, hence 2^20 cells, where both GPUs gain.
 constexpr int64_t kSortedFastCells = int64_t{1} << 20;
 constexpr int64_t kSortedFastKeys = int64_t{1} << 16;
@@ -183,6 +184,7 @@ constexpr int64_t kSortedFastKeys = int64_t{1} << 16;
 // sorted 0.77x / 0.80x the touched cells in fp16 / bf16 with items 89-91 (H100, session 42).
 constexpr int64_t kSortedFastDenserCells = int64_t{1} << 17;
 constexpr int64_t kSortedFastFp32RunEntries = 5632;  // the 11-key block sort
+constexpr int64_t kSortedFastFp32LongRuns = 32;      // DINO's bs 1 decoder: 8 heads x 4 levels
 
 // The layout for this problem. MMDEFORM_TMA_GRAD_VALUE_LAYOUT=dense|touched|sorted forces one (for
 // measurements; forcing one where it cannot run raises with the reason; `sorted` applies to the

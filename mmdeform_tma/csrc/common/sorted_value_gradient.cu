@@ -664,7 +664,15 @@ __global__ void __launch_bounds__(kLevelSortThreads, 1) sort_and_sum_level_runs_
       }
     }
     wait_for_prior_grid();
-    // A query's run of weights is whole 16-byte pieces (run is a multiple of 4), as is a row.
+    // The run's keys into the key region, then its weights: a query's run of either is whole
+    // 16-byte pieces (run is a multiple of 4), as is a row. Each thread reading its blocked keys
+    // from global memory (a stride of kItems between lanes, 29 sectors a load) stalled the kernel
+    // longer than a sort pass (ncu, DINO's fp16 decoder; H100, session 42, item 92).
+    for (int piece = threadIdx.x; piece * 4 < level_entries; piece += kLevelSortThreads) {
+      const int local = piece * 4;
+      copy_16_async(sorted + local, keys + entry_of(local));
+    }
+    asm volatile("cp.async.commit_group;" ::: "memory");
     constexpr int kWeightsPerPiece = 16 / sizeof(acc_t);
     for (int piece = threadIdx.x; piece * kWeightsPerPiece < level_entries; piece += kLevelSortThreads) {
       const int local = piece * kWeightsPerPiece;
@@ -672,16 +680,18 @@ __global__ void __launch_bounds__(kLevelSortThreads, 1) sort_and_sum_level_runs_
     }
     asm volatile("cp.async.commit_group;" ::: "memory");
   }
+  asm volatile("cp.async.wait_group 1;" ::: "memory");  // the keys (and rows) have landed, the weights may not
+  __syncthreads();
   // The run's keys, blocked: thread x kItems + k.
   const int first_local = static_cast<int>(threadIdx.x) * kItems;
   uint32_t packed[kItems];
 #pragma unroll
   for (int k = 0; k < kItems; ++k) {
     const int local = first_local + k;
-    packed[k] = local < level_entries
-                    ? (static_cast<uint32_t>(keys[entry_of(local)]) << index_bits) | static_cast<uint32_t>(local)
-                    : 0xffffffffu;  // past the run: sorts last
+    packed[k] = local < level_entries ? (sorted[local] << index_bits) | static_cast<uint32_t>(local)
+                                      : 0xffffffffu;  // past the run: sorts last
   }
+  __syncthreads();  // every key is read before the first pass's counters take the region
   // Least significant digit first; the last pass leaves the keys sorted in the run's array.
   for (int bit = index_bits, last = index_bits + end_bit; bit < last; bit += kRadixBits) {
     const PixelDigit digit{static_cast<uint32_t>(bit), (1u << min(kRadixBits, last - bit)) - 1u};
