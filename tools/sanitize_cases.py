@@ -89,8 +89,8 @@ def main(argv=None) -> int:
             for deterministic, layout in ((False, "auto"), (True, "auto"), (True, "dense")):
                 os.environ[layout_variable] = layout
                 # The sorted backward's level runs (queries x 3 points x 4 corners): 444, 6,000 and
-                # 12,000 entries sort in one block each (its three shapes; fp64 takes cub), 15,600
-                # with cub, in place.
+                # 12,000 entries sort in one block each (its 5-, 15- and 29-key shapes; fp64 takes
+                # cub), 15,600 with cub, in place.
                 sorted_runs = ((37, shapes), (500, wide_shapes), (1000, wide_shapes), (1300, wide_shapes))
                 for queries, levels in sorted_runs if (deterministic, layout) == (True, "auto") else sorted_runs[:1]:
                     g = torch.Generator().manual_seed(0)
