@@ -88,10 +88,11 @@ def main(argv=None) -> int:
         for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
             for deterministic, layout in ((False, "auto"), (True, "auto"), (True, "dense")):
                 os.environ[layout_variable] = layout
-                # The sorted backward's level runs (queries x 3 points x 4 corners): 444, 6,000 and
-                # 12,000 entries sort in one block each (its 5-, 15- and 29-key shapes; fp64 takes
-                # cub), 15,600 with cub, in place.
-                sorted_runs = ((37, shapes), (500, wide_shapes), (1000, wide_shapes), (1300, wide_shapes))
+                # The sorted backward's level runs (queries x 3 points x 4 corners): 444, 3,600,
+                # 6,000, 9,600 and 12,000 entries sort in one block each (its 5-, 11-, 15-, 21- and
+                # 29-key shapes; fp64 takes cub), 15,600 with cub, in place.
+                sorted_runs = ((37, shapes), (300, wide_shapes), (500, wide_shapes), (800, wide_shapes),
+                               (1000, wide_shapes), (1300, wide_shapes))
                 for queries, levels in sorted_runs if (deterministic, layout) == (True, "auto") else sorted_runs[:1]:
                     g = torch.Generator().manual_seed(0)
                     problem = make_problem(levels, batch=2, queries=queries, heads=3, channels=32, points=3, dtype=dtype,
