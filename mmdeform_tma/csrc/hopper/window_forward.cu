@@ -226,28 +226,6 @@ __device__ __forceinline__ void produce_lean_stage(const Problem<scalar_t>& p, c
   mbarrier_arrive(ring.full(stage));
 }
 
-// The tile's sampling locations and weights of every level into L1, as the tile starts. The producer
-// reads them one level at a time, each level after the previous one's stage is written, so a
-// decoder-sized call (one wave, one tile a CTA) waited one round trip to global memory per level.
-// A (query, head)'s coordinates are contiguous: levels x points x 2 locations, then the weights.
-template <typename scalar_t>
-__device__ __forceinline__ void prefetch_tile_coordinates(const Problem<scalar_t>& p, const LaunchShape& s, const Tile& t) {
-  using coord_t = coord_type<scalar_t>;
-  const auto prefetch_lines = [](const coord_t* first, int count) {
-    const uintptr_t begin = reinterpret_cast<uintptr_t>(first) & ~uintptr_t{127};
-    const uintptr_t end = reinterpret_cast<uintptr_t>(first + count);
-    for (uintptr_t line = begin; line < end; line += 128) asm volatile("prefetch.L1 [%0];" ::"l"(line));
-  };
-  const int per_query = p.levels * p.points;
-  for (int slot = threadIdx.x & 31; slot < s.slots; slot += 32) {
-    const int query = tile_query(t, s, slot, p.queries);
-    if (query < 0) continue;
-    const int first = ((t.batch * p.queries + query) * p.heads + t.head) * per_query;  // lean_fits: 32 bits
-    prefetch_lines(p.locations + 2 * first, 2 * per_query);
-    prefetch_lines(p.weights + first, per_query);
-  }
-}
-
 // A corner chunk from global memory (through L1) when `bit` of `corners` is set, else zeros. The
 // zeros are set in registers, not read from the zero block: ncu (H100, 2026-11-24) had those
 // shared loads at 30 % of the kernel's shared-memory wavefronts. Volatile: never moved above the
@@ -296,10 +274,7 @@ __global__ void __maxnreg__(lean_max_registers<scalar_t>()) forward_lean_kernel(
     StageCursor at{static_cast<int>(blockIdx.x), 0, 0, 0u};
     Tile t{};
     while (at.tile < num_tiles) {
-      if (at.level == 0) {
-        t = tile_at(p, s, groups, at.tile);
-        prefetch_tile_coordinates(p, s, t);
-      }
+      if (at.level == 0) t = tile_at(p, s, groups, at.tile);
       if (at.round > 0) mbarrier_wait(ring.empty(at.stage), (at.round - 1) & 1u);
       produce_lean_stage(p, ring, t, at.level, at.stage, key_bytes);
       at.advance(p.levels, s.stages);
