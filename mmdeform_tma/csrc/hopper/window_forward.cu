@@ -160,9 +160,9 @@ __device__ __forceinline__ uint32_t* lean_row_bytes(const Ring<coord_t>& ring, i
 
 #if MMDEFORM_TMA_HOPPER_DEVICE
 
-// One stage of the windowless producer: the same batches of 8 points and the same weights as
-// produce_stage, with 32-bit indices.
-template <typename scalar_t>
+// One stage of the windowless producer: the same weights as produce_stage, with 32-bit indices,
+// in batches of kBatch points per lane.
+template <int kBatch, typename scalar_t>
 __device__ __forceinline__ void produce_lean_stage(const Problem<scalar_t>& p, const Ring<coord_type<scalar_t>>& ring,
                                                    const Tile& t, int level, int stage, uint32_t key_bytes) {
   using coord_t = coord_type<scalar_t>;
@@ -176,7 +176,6 @@ __device__ __forceinline__ void produce_lean_stage(const Problem<scalar_t>& p, c
   const int query_stride = p.heads * p.levels * p.points;
   const int at0 = ((t.batch * p.queries * p.heads + t.head) * p.levels + level) * p.points;
 
-  constexpr int kBatch = 8;
   const float inv_points = 1.0f / static_cast<float>(p.points);  // exact slot = i / points for i < 2^20
   for (int first = 0; first < n; first += 32 * kBatch) {
     coord_t x[kBatch], y[kBatch], a[kBatch];
@@ -244,6 +243,15 @@ __device__ __forceinline__ Chunk<16> load_corner_or_zero(uint32_t corners, const
 
 #endif  // MMDEFORM_TMA_HOPPER_DEVICE
 
+// fp32 sizes the producer's batch to the stage: at 8 points a lane, a decoder stage of 64 points
+// ran the loads' index math for 6 empty ones, and fp32's Q = 100 decoder forward took 10.4 us
+// against 9.2. Half precision keeps 8, where the same change left the decoders flat and made ptxas
+// schedule the fp16 encoder's gathers later, 5 % slower (H100, 2026-11-27; perf_notes.md, item 98).
+template <typename scalar_t>
+constexpr bool lean_batch_sized_to_stage() {
+  return sizeof(scalar_t) == 4;
+}
+
 // 80 registers: 5 CTAs of 5 warps per SM by the register file (25 x 32 x 80 <= 65536), against 3
 // at the windowed kernel's 119. Stated as a cap, not as __launch_bounds__ minimum blocks, which
 // made ptxas budget only 72 registers here and spill; fp64 (gradcheck) is left uncapped.
@@ -252,7 +260,12 @@ constexpr int lean_max_registers() {
   return sizeof(scalar_t) == 8 ? 255 : 80;
 }
 
-template <typename scalar_t>
+// kSlots: the most query slots a team owns. Half precision also builds kSlots = 1 for the
+// decoders' tiles of one slot a team: a second slot's accumulators, live through every tile,
+// kept ptxas from issuing a pair of points' eight gathers before the first was used, and DINO's
+// decoder forward took 17.3 us against 16.9 (bs 8: 46.7 against 44.3). fp32 lost 2-3 % with it
+// (H100, 2026-11-27; perf_notes.md, item 98).
+template <typename scalar_t, int kSlots>
 __global__ void __maxnreg__(lean_max_registers<scalar_t>()) forward_lean_kernel(
     const __grid_constant__ CUtensorMap value_map, const __grid_constant__ Problem<scalar_t> p,
     const __grid_constant__ LaunchShape s, scalar_t* __restrict__ output) {
@@ -260,7 +273,6 @@ __global__ void __maxnreg__(lean_max_registers<scalar_t>()) forward_lean_kernel(
   using coord_t = coord_type<scalar_t>;
   using acc_t = acc_type<scalar_t>;
   constexpr int VEC = kVec<scalar_t>;
-  constexpr int kSlots = max_forward_slots_per_team(VEC);
   extern __shared__ __align__(128) char dynamic_smem[];
 
   if (!level_metadata_ok(p, output)) return;
@@ -276,7 +288,13 @@ __global__ void __maxnreg__(lean_max_registers<scalar_t>()) forward_lean_kernel(
     while (at.tile < num_tiles) {
       if (at.level == 0) t = tile_at(p, s, groups, at.tile);
       if (at.round > 0) mbarrier_wait(ring.empty(at.stage), (at.round - 1) & 1u);
-      produce_lean_stage(p, ring, t, at.level, at.stage, key_bytes);
+      if (lean_batch_sized_to_stage<scalar_t>() && n <= 32 * 2) {
+        produce_lean_stage<2>(p, ring, t, at.level, at.stage, key_bytes);
+      } else if (lean_batch_sized_to_stage<scalar_t>() && n <= 32 * 4) {
+        produce_lean_stage<4>(p, ring, t, at.level, at.stage, key_bytes);
+      } else {
+        produce_lean_stage<8>(p, ring, t, at.level, at.stage, key_bytes);
+      }
       at.advance(p.levels, s.stages);
     }
     return;
@@ -389,7 +407,10 @@ at::Tensor forward(const ProblemTensors& problem, int64_t config) {
     const LaunchShape s = launch_shape(problem, config, kChunkBytes, sizeof(WindowPoint<coord_t>), kSlots, false);
     if (s.window_rows == 0 && lean_fits(problem)) {
       const LaunchShape lean = launch_shape(problem, config, kChunkBytes, lean_meta_size<coord_t>(), kSlots, false);
-      launch_persistent<scalar_t>(forward_lean_kernel<scalar_t>, problem, lean, out);
+      constexpr int kFewestSlots = sizeof(scalar_t) == 2 ? 1 : kSlots;
+      launch_persistent<scalar_t>(lean.slots_per_team == 1 ? forward_lean_kernel<scalar_t, kFewestSlots>
+                                                           : forward_lean_kernel<scalar_t, kSlots>,
+                                  problem, lean, out);
     } else {
       launch_persistent<scalar_t>(forward_kernel<scalar_t>, problem, s, out);
     }
