@@ -160,8 +160,46 @@ __device__ __forceinline__ uint32_t* lean_row_bytes(const Ring<coord_t>& ring, i
 
 #if MMDEFORM_TMA_HOPPER_DEVICE
 
-// One stage of the windowless producer: the same weights as produce_stage, with 32-bit indices,
-// in batches of kBatch points per lane.
+// One point's metadata in its stage: the same weights as produce_stage, with 32-bit indices.
+template <typename coord_t>
+__device__ __forceinline__ void write_lean_point(const LeanStage<coord_t>& meta, const LevelGeometry& g, int key0,
+                                                 uint32_t key_bytes, uint32_t column, int i, coord_t x, coord_t y,
+                                                 coord_t a, bool present) {
+  // A point that misses the level keeps weight a on every corner and reads zeros (a x 0,
+  // NaN for a non-finite weight, as the reference); an empty slot has weight 0.
+  CornerWeights<coord_t> w;
+  w.w[0] = w.w[1] = w.w[2] = w.w[3] = a;
+  uint32_t corners = 0u;
+  if (present) {
+    const Bilinear<coord_t> bl = bilinear(x, y, g.height, g.width);
+    if (bl.valid) {
+      corners = (static_cast<uint32_t>(key0 + bl.y0 * g.width + bl.x0) * key_bytes + column) | bl.valid;
+#pragma unroll
+      for (int c = 0; c < 4; ++c) w.w[c] = a * bl.weight(c);
+    }
+  }
+  meta.weights[i] = w;
+  meta.corners[i] = corners;
+}
+
+// A stage's end: the output rows at the tile's last level, the level row's bytes, the arrival.
+template <typename scalar_t>
+__device__ __forceinline__ void finish_lean_stage(const Problem<scalar_t>& p, const Ring<coord_type<scalar_t>>& ring,
+                                                  const LeanStage<coord_type<scalar_t>>& meta, const Tile& t,
+                                                  const LevelGeometry& g, int level, int stage, uint32_t key_bytes) {
+  const LaunchShape& s = *ring.s;
+  const int lane = threadIdx.x & 31;
+  if (level == p.levels - 1) {
+    for (int slot = lane; slot < s.slots; slot += 32) {
+      const int query = tile_query(t, s, slot, p.queries);
+      meta.rows[slot] = query >= 0 ? (t.batch * p.queries + query) * p.heads + t.head : -1;
+    }
+  }
+  if (lane == 0) *lean_row_bytes(ring, stage) = static_cast<uint32_t>(g.width) * key_bytes;
+  mbarrier_arrive(ring.full(stage));
+}
+
+// One stage of the windowless producer, in batches of kBatch points per lane.
 template <int kBatch, typename scalar_t>
 __device__ __forceinline__ void produce_lean_stage(const Problem<scalar_t>& p, const Ring<coord_type<scalar_t>>& ring,
                                                    const Tile& t, int level, int stage, uint32_t key_bytes) {
@@ -198,31 +236,83 @@ __device__ __forceinline__ void produce_lean_stage(const Problem<scalar_t>& p, c
     for (int k = 0; k < kBatch; ++k) {
       const int i = first + 32 * k + lane;
       if (i >= n) break;
-      // A point that misses the level keeps weight a on every corner and reads zeros (a x 0,
-      // NaN for a non-finite weight, as the reference); an empty slot has weight 0.
-      CornerWeights<coord_t> w;
-      w.w[0] = w.w[1] = w.w[2] = w.w[3] = a[k];
-      uint32_t corners = 0u;
-      if (present[k]) {
-        const Bilinear<coord_t> bl = bilinear(x[k], y[k], g.height, g.width);
-        if (bl.valid) {
-          corners = (static_cast<uint32_t>(key0 + bl.y0 * g.width + bl.x0) * key_bytes + column) | bl.valid;
+      write_lean_point(meta, g, key0, key_bytes, column, i, x[k], y[k], a[k], present[k]);
+    }
+  }
+  finish_lean_stage(p, ring, meta, t, g, level, stage, key_bytes);
+}
+
+// The most levels whose points a one-slot producer holds at once (two a lane each). Five made
+// DINO's five-level decoder forward 3 % slower (20.2 -> 20.8 us) and gained nothing on four.
+constexpr int kLeanTileLevels = 4;
+
+// A tile's locations and weights of every level, loaded at its first stage, so that the
+// producer's chain has one round trip a tile instead of one a level: for the one-slot decoder
+// tiles of at most 64 points a level (DINO's: one wave). DINO bs 2 fp16 16.95 -> 16.7 us, bf16
+// 16.75 -> 16.55 (H100, 2026-11-27; perf_notes.md, item 100); the two-slot kernels' machine code
+// is unchanged (tools/kernel_code_diff.py).
+// Lane point k of a level is stage point k x 32 + lane; level l's are in [0] after l shifts.
+template <typename coord_t>
+struct LeanTilePoints {
+  coord_t x[kLeanTileLevels][2], y[kLeanTileLevels][2], a[kLeanTileLevels][2];
+  bool present[2];
+
+  template <typename scalar_t>
+  __device__ __forceinline__ void load(const Problem<scalar_t>& p, const LaunchShape& s, const Tile& t) {
+    const int lane = threadIdx.x & 31;
+    const int n = s.slots * p.points;
+    const int first_at = (t.batch * p.queries * p.heads + t.head) * p.levels * p.points;
+    const int query_stride = p.heads * p.levels * p.points;
 #pragma unroll
-          for (int c = 0; c < 4; ++c) w.w[c] = a[k] * bl.weight(c);
+    for (int k = 0; k < 2; ++k) {
+      const int i = 32 * k + lane;
+      const int slot = i / p.points;
+      const int query = i < n ? tile_query(t, s, slot, p.queries) : -1;
+      present[k] = query >= 0;
+      const int at = first_at + query * query_stride + (i - slot * p.points);
+#pragma unroll
+      for (int l = 0; l < kLeanTileLevels; ++l) {
+        x[l][k] = y[l][k] = a[l][k] = coord_t(0);
+        if (present[k] && l < p.levels) {
+          x[l][k] = p.locations[2 * (at + l * p.points)];
+          y[l][k] = p.locations[2 * (at + l * p.points) + 1];
+          a[l][k] = p.weights[at + l * p.points];
         }
       }
-      meta.weights[i] = w;
-      meta.corners[i] = corners;
     }
   }
-  if (level == p.levels - 1) {
-    for (int slot = lane; slot < s.slots; slot += 32) {
-      const int query = tile_query(t, s, slot, p.queries);
-      meta.rows[slot] = query >= 0 ? (t.batch * p.queries + query) * p.heads + t.head : -1;
+
+  __device__ __forceinline__ void shift() {
+#pragma unroll
+    for (int l = 0; l + 1 < kLeanTileLevels; ++l) {
+#pragma unroll
+      for (int k = 0; k < 2; ++k) {
+        x[l][k] = x[l + 1][k];
+        y[l][k] = y[l + 1][k];
+        a[l][k] = a[l + 1][k];
+      }
     }
   }
-  if (lane == 0) *lean_row_bytes(ring, stage) = static_cast<uint32_t>(g.width) * key_bytes;
-  mbarrier_arrive(ring.full(stage));
+};
+
+// One stage from the held points of its level.
+template <typename scalar_t>
+__device__ __forceinline__ void produce_lean_stage_held(const Problem<scalar_t>& p, const Ring<coord_type<scalar_t>>& ring,
+                                                        const Tile& t, int level, int stage, uint32_t key_bytes,
+                                                        const LeanTilePoints<coord_type<scalar_t>>& held) {
+  const LaunchShape& s = *ring.s;
+  const int lane = threadIdx.x & 31;
+  const LevelGeometry g = level_geometry(p.spatial_shapes, p.level_start, level);
+  const int n = s.slots * p.points;
+  const LeanStage<coord_type<scalar_t>> meta = lean_stage(ring, stage, n);
+  const int key0 = t.batch * p.num_keys + static_cast<int>(g.start);
+  const uint32_t column = static_cast<uint32_t>(t.head * s.row_bytes);
+#pragma unroll
+  for (int k = 0; k < 2; ++k) {
+    const int i = 32 * k + lane;
+    if (i < n) write_lean_point(meta, g, key0, key_bytes, column, i, held.x[0][k], held.y[0][k], held.a[0][k], held.present[k]);
+  }
+  finish_lean_stage(p, ring, meta, t, g, level, stage, key_bytes);
 }
 
 // A corner chunk from global memory (through L1) when `bit` of `corners` is set, else zeros. The
@@ -285,6 +375,23 @@ __global__ void __maxnreg__(lean_max_registers<scalar_t>()) forward_lean_kernel(
   if (threadIdx.x < 32) {
     StageCursor at{static_cast<int>(blockIdx.x), 0, 0, 0u};
     Tile t{};
+    if constexpr (kSlots == 1) {
+      if (n <= 32 * 2 && p.levels <= kLeanTileLevels) {
+        LeanTilePoints<coord_t> held;
+        while (at.tile < num_tiles) {
+          if (at.level == 0) {
+            t = tile_at(p, s, groups, at.tile);
+            held.load(p, s, t);
+          } else {
+            held.shift();
+          }
+          if (at.round > 0) mbarrier_wait(ring.empty(at.stage), (at.round - 1) & 1u);
+          produce_lean_stage_held(p, ring, t, at.level, at.stage, key_bytes, held);
+          at.advance(p.levels, s.stages);
+        }
+        return;
+      }
+    }
     while (at.tile < num_tiles) {
       if (at.level == 0) t = tile_at(p, s, groups, at.tile);
       if (at.round > 0) mbarrier_wait(ring.empty(at.stage), (at.round - 1) & 1u);
