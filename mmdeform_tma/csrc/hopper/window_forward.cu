@@ -344,7 +344,10 @@ constexpr bool lean_batch_sized_to_stage() {
 
 // 80 registers: 5 CTAs of 5 warps per SM by the register file (25 x 32 x 80 <= 65536), against 3
 // at the windowed kernel's 119. Stated as a cap, not as __launch_bounds__ minimum blocks, which
-// made ptxas budget only 72 registers here and spill; fp64 (gradcheck) is left uncapped.
+// made ptxas budget only 72 registers here and spill; fp64 (gradcheck) is left uncapped. It is
+// also the most at which a scheduler's 16,384 registers hold six warps, so that DINO's 900
+// one-slot tiles of 3-warp CTAs run in one wave (8 CTAs a SM): at 87 the grid fell to 792 CTAs
+// and the forward took 19.6 us against 16.7 (H100, 2026-11-27; perf_notes.md, item 101).
 template <typename scalar_t>
 constexpr int lean_max_registers() {
   return sizeof(scalar_t) == 8 ? 255 : 80;
