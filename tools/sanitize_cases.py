@@ -8,9 +8,9 @@ Covers every dtype, the fast and the deterministic backward (its sorted value gr
 `auto` takes for these small cross-attention cases, and fixed point), partial tiles and points
 outside the levels, and for tma_ws every compiled variant with windows (TMA windows, and the MMA
 backward's accumulation windows) on encoder problems (one query per pixel: pixel-block tiles;
-sampled locally, and uniformly over a level larger than four windows) and a decoder one, and the
-tensor-core gather forward configs. Prints one line per case; any error the tool finds is reported
-by compute-sanitizer itself.
+sampled locally, and uniformly over a level larger than four windows) and a decoder one, the
+tensor-core gather forward configs, and the windowless forward configs on a decoder. Prints one
+line per case; any error the tool finds is reported by compute-sanitizer itself.
 """
 
 import argparse
@@ -76,6 +76,24 @@ def tensor_core_variants(dtype: torch.dtype) -> None:
                 print(f"tma_ws  {str(dtype):15} {label:8} {name}: ok")
 
 
+def lean_variants(dtype: torch.dtype) -> None:
+    """tma_ws's windowless forward configs (`_l1`) on decoders sampled uniformly (corners outside the
+    levels): 4 points a level, where 16-query tiles give the half-precision one-slot kernel a tile's
+    coordinates held in its producer's registers, and 5 (a point left over after the pairs)."""
+    levels = [(9, 13), (5, 7), (3, 4)]
+    names = kernel_configs("tma_ws", "forward")
+    for points in (4, 5):
+        g = torch.Generator().manual_seed(3)
+        problem = make_problem(levels, batch=2, queries=45, heads=2, channels=32, points=points, dtype=dtype,
+                               generator=g, locality="uniform")
+        args = problem.to(device="cuda", dtype=dtype, coord_dtype=problem.sampling_locations.dtype).args()
+        for index, name in enumerate(names):
+            if "_l1" in name:
+                ops.ms_deform_attn_forward(*args, "tma_ws", index)
+                torch.cuda.synchronize()
+                print(f"tma_ws  {str(dtype):15} lean_p{points} {name}: ok")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backends", nargs="*", default=["cuda", "tma_ws"])
@@ -114,6 +132,7 @@ def main(argv=None) -> int:
             window_variants(dtype)
         for dtype in (torch.float16, torch.bfloat16):
             tensor_core_variants(dtype)
+            lean_variants(dtype)
     return 0
 
 

@@ -443,6 +443,23 @@ def test_tma_ws_tensor_core_forward_poisons_inconsistent_geometry():
         assert torch.isnan(out).all(), name
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+def test_tma_ws_windowless_forward_poisons_inconsistent_geometry(dtype):
+    """Every windowless forward config (`_l1`) with a GPU copy of level_start_index that disagrees
+    with spatial_shapes: every output is NaN, whichever warp checks the metadata."""
+    problem = cuda_problem(CASES[0], dtype, seed=53)
+    skip_unless_supported("tma_ws", validate(*problem.args()))
+    starts = problem.level_start_index.clone()
+    starts[2] -= 3
+    configs = lean_forward_configs()
+    assert configs
+    for config, name in configs:
+        out = torch.ops.mmdeform_tma.ms_deform_attn_forward(
+            problem.value, problem.spatial_shapes, starts, problem.sampling_locations, problem.attention_weights,
+            "tma_ws", config)
+        assert torch.isnan(out).all(), name
+
+
 def mma_configs() -> list[tuple[int, str]]:
     return [(i, n) for i, n in enumerate(kernel_configs("tma_ws", "backward")) if "_m16" in n]
 
@@ -637,6 +654,33 @@ def test_tma_ws_fp32_mma_backward_keeps_fp32_accuracy_at_any_gradient_scale(magn
             assert torch.equal(torch.isinf(got), torch.isinf(want)), name
             err = rel_l2(got[finite], want[finite])
             assert err <= 1e-5, f"{name} deterministic={deterministic}: relative L2 error {err:.3e}"
+
+
+def lean_forward_configs() -> list[tuple[int, str]]:
+    return [(i, n) for i, n in enumerate(kernel_configs("tma_ws", "forward")) if re.fullmatch(r"c\d+_t\d+_s\d+_l1(_o\d+)?", n)]
+
+
+# Decoders whose half-precision `_l1` tiles give each team one query slot (the one-slot kernel),
+# with more points a level than DETR's 4: 5 (two pairs and one point left over; uniform sampling
+# puts points outside every level) and 8 (four pairs, 64-channel heads: two teams a warp fewer).
+MANY_POINT_DECODER_CASES = [
+    ("decoder_p5", [(20, 30), (10, 15), (5, 8), (3, 4)], 2, 150, 8, 32, 5, "uniform"),
+    ("decoder_p8_c64", [(13, 17), (7, 9), (4, 5)], 1, 70, 4, 64, 8, "local"),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", MANY_POINT_DECODER_CASES, ids=lambda c: c[0])
+def test_tma_ws_lean_forward_configs_against_float64(case, dtype):
+    """Every windowless forward config (`_l1`) against float64 on decoders of 5 and 8 points a level
+    (the other cases have at most 4 where a config gives each team one slot)."""
+    problem = cuda_problem(case, dtype, seed=37)
+    skip_unless_supported("tma_ws", validate(*problem.args()))
+    exact = gather_reference(*[t.double() if t.is_floating_point() else t for t in problem.args()])
+    assert len(lean_forward_configs()) >= 4
+    for config, name in lean_forward_configs():
+        out = torch.ops.mmdeform_tma.ms_deform_attn_forward(*problem.args(), "tma_ws", config)
+        check(out, exact, f"{name} output")
 
 
 def window_forward_configs() -> list[tuple[int, str]]:
