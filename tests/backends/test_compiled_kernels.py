@@ -445,8 +445,8 @@ def test_tma_ws_tensor_core_forward_poisons_inconsistent_geometry():
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
 def test_tma_ws_windowless_forward_poisons_inconsistent_geometry(dtype):
-    """Every windowless forward config (`_l1`) with a GPU copy of level_start_index that disagrees
-    with spatial_shapes: every output is NaN, whichever warp checks the metadata."""
+    """Every windowless forward config (`_l1`), the one-slot kernel's among them, with a GPU copy of
+    level_start_index that disagrees with spatial_shapes: every output is NaN."""
     problem = cuda_problem(CASES[0], dtype, seed=53)
     skip_unless_supported("tma_ws", validate(*problem.args()))
     starts = problem.level_start_index.clone()
@@ -660,9 +660,9 @@ def lean_forward_configs() -> list[tuple[int, str]]:
     return [(i, n) for i, n in enumerate(kernel_configs("tma_ws", "forward")) if re.fullmatch(r"c\d+_t\d+_s\d+_l1(_o\d+)?", n)]
 
 
-# Decoders whose half-precision `_l1` tiles give each team one query slot (the one-slot kernel),
-# with more points a level than DETR's 4: 5 (two pairs and one point left over; uniform sampling
-# puts points outside every level) and 8 (four pairs, 64-channel heads: two teams a warp fewer).
+# Decoders with more points a level than DETR's 4, where some `_l1` configs give each team one
+# query slot (the half-precision one-slot kernel): 5 points (two pairs and one left over; uniform
+# sampling puts points outside every level) and 8 (four pairs; 64-channel heads, four teams a warp).
 MANY_POINT_DECODER_CASES = [
     ("decoder_p5", [(20, 30), (10, 15), (5, 8), (3, 4)], 2, 150, 8, 32, 5, "uniform"),
     ("decoder_p8_c64", [(13, 17), (7, 9), (4, 5)], 1, 70, 4, 64, 8, "local"),
@@ -676,9 +676,14 @@ def test_tma_ws_lean_forward_configs_against_float64(case, dtype):
     (the other cases have at most 4 where a config gives each team one slot)."""
     problem = cuda_problem(case, dtype, seed=37)
     skip_unless_supported("tma_ws", validate(*problem.args()))
-    exact = gather_reference(*[t.double() if t.is_floating_point() else t for t in problem.args()])
     assert len(lean_forward_configs()) >= 4
-    for config, name in lean_forward_configs():
+    check_forward_configs(problem, lean_forward_configs())
+
+
+def check_forward_configs(problem, configs: list[tuple[int, str]]) -> None:
+    """Each (index, name) tma_ws forward config through the op against the float64 reference."""
+    exact = gather_reference(*[t.double() if t.is_floating_point() else t for t in problem.args()])
+    for config, name in configs:
         out = torch.ops.mmdeform_tma.ms_deform_attn_forward(*problem.args(), "tma_ws", config)
         check(out, exact, f"{name} output")
 
@@ -694,11 +699,8 @@ def test_tma_ws_window_forward_configs_against_float64(case, dtype):
     encoders (pixel blocks with windows), a decoder (strips) and 8-channel rows (16 bytes)."""
     problem = cuda_problem(case, dtype, seed=29)
     skip_unless_supported("tma_ws", validate(*problem.args()))
-    exact = gather_reference(*[t.double() if t.is_floating_point() else t for t in problem.args()])
     assert len(window_forward_configs()) >= 4
-    for config, name in window_forward_configs():
-        out = torch.ops.mmdeform_tma.ms_deform_attn_forward(*problem.args(), "tma_ws", config)
-        check(out, exact, f"{name} output")
+    check_forward_configs(problem, window_forward_configs())
 
 
 def test_tma_ws_window_forward_non_finite_values():
