@@ -44,10 +44,12 @@ CUtensorMapDataType tma_dtype(at::ScalarType type) {
 }
 
 // A 2-D map over `rows` rows of `columns` elements (contiguous, `element` bytes each) with boxes of
-// box_columns x box_rows; `what` names the tensor in errors.
+// box_columns x box_rows; `what()` names the tensor in errors, called only for one (a map is encoded
+// on every call: the name's formatting would be host cost on each).
+template <typename Describe>
 CUtensorMap tensor_map_2d(void* data, CUtensorMapDataType type, int64_t element, int64_t rows, int64_t columns,
-                          int box_columns, int box_rows, CUtensorMapSwizzle swizzle, const std::string& what) {
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(data) % 16 == 0, "mmdeform_tma: ", what, " must be 16-byte aligned");
+                          int box_columns, int box_rows, CUtensorMapSwizzle swizzle, const Describe& what) {
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(data) % 16 == 0, "mmdeform_tma: ", what(), " must be 16-byte aligned");
   TORCH_CHECK(rows > 0 && rows < (int64_t(1) << 31), "mmdeform_tma: batch x num_keys must be in [1, 2^31)");
   CUtensorMap map;
   const cuuint64_t dims[2] = {static_cast<cuuint64_t>(columns), static_cast<cuuint64_t>(rows)};
@@ -58,7 +60,7 @@ CUtensorMap tensor_map_2d(void* data, CUtensorMapDataType type, int64_t element,
                                                CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
                                                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   TORCH_CHECK(result == CUDA_SUCCESS, "mmdeform_tma: cuTensorMapEncodeTiled failed with error ",
-              num(static_cast<int>(result)), " for ", what, " (", num(rows), " x ", num(columns), " elements of ",
+              num(static_cast<int>(result)), " for ", what(), " (", num(rows), " x ", num(columns), " elements of ",
               num(element), " B)");
   return map;
 }
@@ -68,15 +70,16 @@ CUtensorMap tensor_map_2d(void* data, CUtensorMapDataType type, int64_t element,
 CUtensorMap value_tensor_map(const at::Tensor& value, int box_keys) {
   return tensor_map_2d(value.data_ptr(), tma_dtype(value.scalar_type()), value.element_size(),
                        value.size(0) * value.size(1), value.size(2) * value.size(3), static_cast<int>(value.size(3)),
-                       box_keys, CU_TENSOR_MAP_SWIZZLE_NONE, "value " + shape_string(value.sizes()) + " " +
-                                                                 std::string(c10::toString(value.scalar_type())));
+                       box_keys, CU_TENSOR_MAP_SWIZZLE_NONE, [&] {
+                         return "value " + shape_string(value.sizes()) + " " + c10::toString(value.scalar_type());
+                       });
 }
 
 CUtensorMap fixed_point_tensor_map(void* data, int64_t rows, int64_t columns, int box_keys) {
   constexpr int64_t kElement = 8;
   return tensor_map_2d(data, CU_TENSOR_MAP_DATA_TYPE_UINT64, kElement, rows, columns,
                        static_cast<int>(kSwizzleRowBytes / kElement), box_keys, CU_TENSOR_MAP_SWIZZLE_128B,
-                       "the value gradient's fixed-point accumulator");
+                       [] { return "the value gradient's fixed-point accumulator"; });
 }
 
 void require_hopper(const std::string& backend) {

@@ -93,6 +93,11 @@ struct LaunchShape {
   // once per touched cell. Per stage after the header: entries (4 per point, entry_size bytes each,
   // grouped by cell) and the touched cells ((start << 16) | cell, then a sentinel start).
   bool gather;
+  // Tile order (window_pipeline.cuh, tile_at): heads outer, where the value of every head at once
+  // would not stay in the L2 (tile_order_heads_outer). In gather's padding, so that every field the
+  // windowless forward reads lies in the first 84 bytes (launch_persistent_without_map). Placed in
+  // pixel_tiles' padding instead, it changed an unrelated backward kernel's code into a spill.
+  bool heads_outer;
   int window_cols_log2;
   int entry_size;
   int entries_offset;  // within a stage
@@ -126,9 +131,6 @@ struct LaunchShape {
   // fp32 MMA: the lo parts of the staged rows; 0 otherwise. Last, so that adding it moved no field
   // the older kernels read (their machine code stayed byte-identical: tools/kernel_code_diff.py).
   int g_lo_offset;
-  // Tile order (window_pipeline.cuh, tile_at): heads outer, where the value of every head at once
-  // would not stay in the L2 (tile_order_heads_outer).
-  bool heads_outer;
   // Spread sampling (window_backward.cu, backward): the fast 32-channel MMA kernel runs with
   // kBailWhereSpread. Each MMA CTA whose first stage's points spread past the accumulation windows
   // (uniform sampling) records that in spread_flags[CTA] (0 otherwise) and leaves its tiles to the

@@ -358,10 +358,12 @@ constexpr int lean_max_registers() {
 // kept ptxas from issuing a pair of points' eight gathers before the first was used, and DINO's
 // decoder forward took 17.3 us against 16.9 (bs 8: 46.7 against 44.3). fp32 lost 2-3 % with it
 // (H100, 2026-11-27; perf_notes.md, item 98).
+// It reads no tensor map and takes none: its parameters begin the parameter bank, in 3 of its
+// 64-byte lines instead of 6, and DINO bs 2 fp16 took 16.2-16.3 us against 16.6-16.7 (H100,
+// 2026-11-27; perf_notes.md, item 106; launch_persistent_without_map).
 template <typename scalar_t, int kSlots>
 __global__ void __maxnreg__(lean_max_registers<scalar_t>()) forward_lean_kernel(
-    const __grid_constant__ CUtensorMap value_map, const __grid_constant__ Problem<scalar_t> p,
-    const __grid_constant__ LaunchShape s, scalar_t* __restrict__ output) {
+    scalar_t* __restrict__ output, const __grid_constant__ Problem<scalar_t> p, const __grid_constant__ LaunchShape s) {
 #if MMDEFORM_TMA_HOPPER_DEVICE
   using coord_t = coord_type<scalar_t>;
   using acc_t = acc_type<scalar_t>;
@@ -374,7 +376,7 @@ __global__ void __maxnreg__(lean_max_registers<scalar_t>()) forward_lean_kernel(
   const int num_tiles = tile_count(p, groups);
   const uint32_t key_bytes = static_cast<uint32_t>(p.heads * s.row_bytes);
   const int n = s.slots * p.points;
-  init_ring(ring, &value_map);
+  init_ring(ring, static_cast<const CUtensorMap*>(nullptr));
   if (threadIdx.x < 32) {
     StageCursor at{static_cast<int>(blockIdx.x), 0, 0, 0u};
     Tile t{};
@@ -518,9 +520,9 @@ at::Tensor forward(const ProblemTensors& problem, int64_t config) {
     if (s.window_rows == 0 && lean_fits(problem)) {
       const LaunchShape lean = launch_shape(problem, config, kChunkBytes, lean_meta_size<coord_t>(), kSlots, false);
       constexpr int kFewestSlots = sizeof(scalar_t) == 2 ? 1 : kSlots;
-      launch_persistent<scalar_t>(lean.slots_per_team == 1 ? forward_lean_kernel<scalar_t, kFewestSlots>
-                                                           : forward_lean_kernel<scalar_t, kSlots>,
-                                  problem, lean, out);
+      launch_persistent_without_map<scalar_t>(lean.slots_per_team == 1 ? forward_lean_kernel<scalar_t, kFewestSlots>
+                                                                       : forward_lean_kernel<scalar_t, kSlots>,
+                                              problem, lean, out);
     } else {
       launch_persistent<scalar_t>(forward_kernel<scalar_t>, problem, s, out);
     }

@@ -67,6 +67,20 @@ void launch_on_grid(Kernel kernel, int64_t blocks, const ProblemTensors& problem
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// Launches `kernel(args..., problem, shape)`, a kernel that reads no tensor map, on its persistent
+// grid: the host encodes no map, and the kernel's own parameters begin the parameter bank, not
+// behind a 128-byte aligned map. Each 64-byte line of the bank that a warp's prologue first reads
+// is a constant-cache miss, taken one after another (ncu, H100: 6 % of the windowless forward's
+// stall samples; perf_notes.md, items 105-106).
+template <typename scalar_t, typename Kernel, typename... Args>
+void launch_persistent_without_map(Kernel kernel, const ProblemTensors& problem, const LaunchShape& s, Args... args) {
+  const int64_t blocks = persistent_blocks(kernel, problem, s);
+  const int threads = 32 * (1 + s.consumer_warps);
+  kernel<<<static_cast<unsigned>(blocks), threads, s.total_bytes, current_stream()>>>(args..., problem.problem<scalar_t>(),
+                                                                                       s);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 // Launches `kernel(map, problem, shape, args...)` on its persistent grid.
 template <typename scalar_t, typename Kernel, typename... Args>
 void launch_persistent(Kernel kernel, const ProblemTensors& problem, const LaunchShape& s, Args... args) {

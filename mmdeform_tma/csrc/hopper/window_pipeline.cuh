@@ -199,13 +199,14 @@ struct Ring {
 
 #if MMDEFORM_TMA_HOPPER_DEVICE
 
-// Barriers, before the roles split.
+// Barriers, before the roles split. `map`: the value tensor map to prefetch, or nullptr for a kernel
+// that reads none.
 template <typename coord_t>
 __device__ __forceinline__ void init_ring(const Ring<coord_t>& ring, const CUtensorMap* map) {
   const LaunchShape& s = *ring.s;
   if (threadIdx.x == 0) {
     if (smem_address(ring.base) & 127u) __trap();  // TMA destinations would be misaligned
-    prefetch_tensor_map(map);
+    if (map != nullptr) prefetch_tensor_map(map);
     for (int i = 0; i < s.stages; ++i) {
       mbarrier_init(ring.full(i), 32);
       mbarrier_init(ring.empty(i), s.consumer_warps * 32);
