@@ -160,26 +160,40 @@ __device__ __forceinline__ uint32_t* lean_row_bytes(const Ring<coord_t>& ring, i
 
 #if MMDEFORM_TMA_HOPPER_DEVICE
 
-// One point's metadata in its stage: the same weights as produce_stage, with 32-bit indices.
+// One point's metadata (LeanStage): the same weights as produce_stage, with 32-bit indices.
+template <typename coord_t>
+struct LeanPoint {
+  CornerWeights<coord_t> weights;
+  uint32_t corners;
+};
+
+template <typename coord_t>
+__device__ __forceinline__ LeanPoint<coord_t> lean_point(const LevelGeometry& g, int key0, uint32_t key_bytes,
+                                                         uint32_t column, coord_t x, coord_t y, coord_t a,
+                                                         bool present) {
+  // A point that misses the level keeps weight a on every corner and reads zeros (a x 0,
+  // NaN for a non-finite weight, as the reference); an empty slot has weight 0.
+  LeanPoint<coord_t> m;
+  m.weights.w[0] = m.weights.w[1] = m.weights.w[2] = m.weights.w[3] = a;
+  m.corners = 0u;
+  if (present) {
+    const Bilinear<coord_t> bl = bilinear(x, y, g.height, g.width);
+    if (bl.valid) {
+      m.corners = (static_cast<uint32_t>(key0 + bl.y0 * g.width + bl.x0) * key_bytes + column) | bl.valid;
+#pragma unroll
+      for (int c = 0; c < 4; ++c) m.weights.w[c] = a * bl.weight(c);
+    }
+  }
+  return m;
+}
+
 template <typename coord_t>
 __device__ __forceinline__ void write_lean_point(const LeanStage<coord_t>& meta, const LevelGeometry& g, int key0,
                                                  uint32_t key_bytes, uint32_t column, int i, coord_t x, coord_t y,
                                                  coord_t a, bool present) {
-  // A point that misses the level keeps weight a on every corner and reads zeros (a x 0,
-  // NaN for a non-finite weight, as the reference); an empty slot has weight 0.
-  CornerWeights<coord_t> w;
-  w.w[0] = w.w[1] = w.w[2] = w.w[3] = a;
-  uint32_t corners = 0u;
-  if (present) {
-    const Bilinear<coord_t> bl = bilinear(x, y, g.height, g.width);
-    if (bl.valid) {
-      corners = (static_cast<uint32_t>(key0 + bl.y0 * g.width + bl.x0) * key_bytes + column) | bl.valid;
-#pragma unroll
-      for (int c = 0; c < 4; ++c) w.w[c] = a * bl.weight(c);
-    }
-  }
-  meta.weights[i] = w;
-  meta.corners[i] = corners;
+  const LeanPoint<coord_t> m = lean_point(g, key0, key_bytes, column, x, y, a, present);
+  meta.weights[i] = m.weights;
+  meta.corners[i] = m.corners;
 }
 
 // A stage's end: the output rows at the tile's last level, the level row's bytes, the arrival.
@@ -295,6 +309,45 @@ struct LeanTilePoints {
   }
 };
 
+// The most points a level whose first level the consumers take themselves (below).
+constexpr int kOwnLevelPoints = 4;
+
+// The CTA's first tile's first level, computed by its consumers rather than staged by the
+// producer: a team's lanes each load its query's points of level 0 (the same addresses) before the
+// metadata check, so that the coordinates' round trip overlaps the check's, and the first gathers
+// wait on no hand-off through shared memory. One-slot strip tiles of 2-4 levels, at most
+// kOwnLevelPoints points a level, whose producer holds the tile's points. It runs before the tile
+// loop: inside it, its registers cost the loop's gathers their issue order (perf_notes.md, items
+// 107-108).
+template <typename coord_t>
+struct OwnFirstLevel {
+  coord_t x[kOwnLevelPoints], y[kOwnLevelPoints], a[kOwnLevelPoints];
+  Tile t;
+  int query;  // -1: an empty slot (nothing to gather)
+
+  template <typename scalar_t>
+  static __device__ __forceinline__ bool applies(const Problem<scalar_t>& p, const LaunchShape& s, int num_tiles) {
+    return !s.pixel_tiles && s.slots * p.points <= 32 * 2 && p.levels >= 2 && p.levels <= kLeanTileLevels &&
+           p.points <= kOwnLevelPoints && static_cast<int>(blockIdx.x) < num_tiles;
+  }
+
+  template <typename scalar_t>
+  __device__ __forceinline__ void load(const Problem<scalar_t>& p, const LaunchShape& s, int groups, int slot) {
+    t = tile_at(p, s, groups, static_cast<int>(blockIdx.x));
+    query = tile_query(t, s, slot, p.queries);
+    const int at = ((t.batch * p.queries + query) * p.heads + t.head) * p.levels * p.points;
+#pragma unroll
+    for (int i = 0; i < kOwnLevelPoints; ++i) {
+      x[i] = y[i] = a[i] = coord_t(0);
+      if (query >= 0 && i < p.points) {
+        x[i] = p.locations[2 * (at + i)];
+        y[i] = p.locations[2 * (at + i) + 1];
+        a[i] = p.weights[at + i];
+      }
+    }
+  }
+};
+
 // One stage from the held points of its level.
 template <typename scalar_t>
 __device__ __forceinline__ void produce_lean_stage_held(const Problem<scalar_t>& p, const Ring<coord_type<scalar_t>>& ring,
@@ -370,10 +423,14 @@ __global__ void __maxnreg__(lean_max_registers<scalar_t>()) forward_lean_kernel(
   constexpr int VEC = kVec<scalar_t>;
   extern __shared__ __align__(128) char dynamic_smem[];
 
+  const ConsumerLane cl = consumer_lane(s);
+  const int groups = tile_groups(p, s);  // strips: from the parameters alone
+  const int num_tiles = tile_count(p, groups);
+  const bool own_first = kSlots == 1 && OwnFirstLevel<coord_t>::applies(p, s, num_tiles);
+  OwnFirstLevel<coord_t> own;
+  if (own_first && threadIdx.x >= 32) own.load(p, s, groups, cl.team);
   if (!level_metadata_ok(p, output)) return;
   const Ring<coord_t> ring{dynamic_smem, &s};
-  const int groups = tile_groups(p, s);
-  const int num_tiles = tile_count(p, groups);
   const uint32_t key_bytes = static_cast<uint32_t>(p.heads * s.row_bytes);
   const int n = s.slots * p.points;
   init_ring(ring, static_cast<const CUtensorMap*>(nullptr));
@@ -383,6 +440,11 @@ __global__ void __maxnreg__(lean_max_registers<scalar_t>()) forward_lean_kernel(
     if constexpr (kSlots == 1) {
       if (n <= 32 * 2 && p.levels <= kLeanTileLevels) {
         LeanTilePoints<coord_t> held;
+        if (own_first) {  // the consumers take the first tile's level 0: stages start at its level 1
+          t = tile_at(p, s, groups, at.tile);
+          held.load(p, s, t);
+          at.level = 1;
+        }
         while (at.tile < num_tiles) {
           if (at.level == 0) {
             t = tile_at(p, s, groups, at.tile);
@@ -412,20 +474,59 @@ __global__ void __maxnreg__(lean_max_registers<scalar_t>()) forward_lean_kernel(
     return;
   }
 
-  // One tile per outer iteration: its accumulators live only inside it, and only the ring
-  // position crosses tiles (registers).
-  const ConsumerLane cl = consumer_lane(s);
+  // One tile per outer iteration; the accumulators and the ring position cross tiles (registers).
   const char* values = reinterpret_cast<const char*>(p.value);
   const uint32_t chunk = static_cast<uint32_t>(cl.chunk_byte);
   int stage = 0;
   uint32_t phase = 0u;
+  acc_t acc[kSlots][VEC];
+#pragma unroll
+  for (int j = 0; j < kSlots; ++j)
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) acc[j][k] = acc_t(0);
+  int first_level = 0;
+  if (own_first) {  // before the tile loop, so that none of its registers is live in the loop
+    first_level = 1;
+    if (own.query >= 0) {
+      const LevelGeometry g = level_geometry(p.spatial_shapes, p.level_start, 0);
+      const int key0 = own.t.batch * p.num_keys + static_cast<int>(g.start);
+      const uint32_t column = static_cast<uint32_t>(own.t.head * s.row_bytes);
+      const uint32_t down = static_cast<uint32_t>(g.width) * key_bytes;
+      auto gather = [&](const LeanPoint<coord_t>& m) {
+        const uint32_t top = (m.corners & ~15u) + chunk;
+        PointCorners<kChunkBytes> c;
+        c.corner[kTopLeft] = load_corner_or_zero<1>(m.corners, values + top);
+        c.corner[kTopRight] = load_corner_or_zero<2>(m.corners, values + (top + key_bytes));
+        c.corner[kBottomLeft] = load_corner_or_zero<4>(m.corners, values + (top + down));
+        c.corner[kBottomRight] = load_corner_or_zero<8>(m.corners, values + (top + down + key_bytes));
+        return c;
+      };
+      auto accumulate = [&](const PointCorners<kChunkBytes>& c, const LeanPoint<coord_t>& m) {
+        use_corners<scalar_t, VEC>(c, [&](int corner, const acc_t (&v)[VEC]) {
+          const acc_t weight = static_cast<acc_t>(m.weights.w[corner]);
+#pragma unroll
+          for (int k = 0; k < VEC; ++k) acc[0][k] = fma(weight, v[k], acc[0][k]);
+        });
+      };
+#pragma unroll
+      for (int i = 0; i < kOwnLevelPoints; i += 2) {
+        if (i >= p.points) break;
+        const LeanPoint<coord_t> m0 = lean_point(g, key0, key_bytes, column, own.x[i], own.y[i], own.a[i], true);
+        const PointCorners<kChunkBytes> c0 = gather(m0);
+        if (i + 1 < p.points) {
+          const LeanPoint<coord_t> m1 =
+              lean_point(g, key0, key_bytes, column, own.x[i + 1], own.y[i + 1], own.a[i + 1], true);
+          const PointCorners<kChunkBytes> c1 = gather(m1);
+          accumulate(c0, m0);
+          accumulate(c1, m1);
+        } else {
+          accumulate(c0, m0);
+        }
+      }
+    }
+  }
   for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
-    acc_t acc[kSlots][VEC];
-#pragma unroll
-    for (int j = 0; j < kSlots; ++j)
-#pragma unroll
-      for (int k = 0; k < VEC; ++k) acc[j][k] = acc_t(0);
-    for (int level = 0;; ++level) {
+    for (int level = first_level;; ++level) {
       mbarrier_wait(ring.full(stage), phase);
       const uint32_t down = *lean_row_bytes(ring, stage);
       const LeanStage<coord_t> meta = lean_stage(ring, stage, n);
@@ -485,6 +586,11 @@ __global__ void __maxnreg__(lean_max_registers<scalar_t>()) forward_lean_kernel(
         break;
       }
     }
+    first_level = 0;
+#pragma unroll
+    for (int j = 0; j < kSlots; ++j)
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) acc[j][k] = acc_t(0);
   }
 #else
   __trap();
