@@ -309,7 +309,7 @@ struct LeanTilePoints {
   }
 };
 
-// The most points a level whose first level the consumers take themselves (below).
+// The most points a level for which the consumers compute the first level themselves (below).
 constexpr int kOwnLevelPoints = 4;
 
 // The CTA's first tile's first level, computed by its consumers rather than staged by the
@@ -384,6 +384,31 @@ __device__ __forceinline__ Chunk<16> load_corner_or_zero(uint32_t corners, const
   return c;
 }
 
+// A lane's chunk of a point's four corner rows from `corners` (LeanStage's word for the point);
+// `down` is a level row's bytes. Branch-free: a corner outside the level reads zeros.
+__device__ __forceinline__ PointCorners<kChunkBytes> gather_lean_corners(const char* values, uint32_t corners,
+                                                                         uint32_t chunk, uint32_t key_bytes,
+                                                                         uint32_t down) {
+  const uint32_t top = (corners & ~15u) + chunk;
+  PointCorners<kChunkBytes> c;
+  c.corner[kTopLeft] = load_corner_or_zero<1>(corners, values + top);
+  c.corner[kTopRight] = load_corner_or_zero<2>(corners, values + (top + key_bytes));
+  c.corner[kBottomLeft] = load_corner_or_zero<4>(corners, values + (top + down));
+  c.corner[kBottomRight] = load_corner_or_zero<8>(corners, values + (top + down + key_bytes));
+  return c;
+}
+
+// acc += the point's corner chunks, each times its weight.
+template <typename scalar_t, int VEC>
+__device__ __forceinline__ void accumulate_lean_corners(acc_type<scalar_t> (&acc)[VEC], const PointCorners<kChunkBytes>& c,
+                                                        const CornerWeights<coord_type<scalar_t>>& w) {
+  use_corners<scalar_t, VEC>(c, [&](int corner, const acc_type<scalar_t> (&v)[VEC]) {
+    const acc_type<scalar_t> weight = static_cast<acc_type<scalar_t>>(w.w[corner]);
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) acc[k] = fma(weight, v[k], acc[k]);
+  });
+}
+
 #endif  // MMDEFORM_TMA_HOPPER_DEVICE
 
 // fp32 sizes the producer's batch to the stage: at 8 points a lane, a decoder stage of 64 points
@@ -411,8 +436,8 @@ constexpr int lean_max_registers() {
 // kept ptxas from issuing a pair of points' eight gathers before the first was used, and DINO's
 // decoder forward took 17.3 us against 16.9 (bs 8: 46.7 against 44.3). fp32 lost 2-3 % with it
 // (H100, 2026-11-27; perf_notes.md, item 98).
-// It reads no tensor map and takes none: its parameters begin the parameter bank, in 3 of its
-// 64-byte lines instead of 6, and DINO bs 2 fp16 took 16.2-16.3 us against 16.6-16.7 (H100,
+// It reads no tensor map and takes none: its parameters begin the parameter bank, in 3 of the
+// bank's 64-byte lines instead of 6 (beside the driver's first line), and DINO bs 2 fp16 took 16.2-16.3 us against 16.6-16.7 (H100,
 // 2026-11-27; perf_notes.md, item 106; launch_persistent_without_map).
 template <typename scalar_t, int kSlots>
 __global__ void __maxnreg__(lean_max_registers<scalar_t>()) forward_lean_kernel(
@@ -493,20 +518,10 @@ __global__ void __maxnreg__(lean_max_registers<scalar_t>()) forward_lean_kernel(
       const uint32_t column = static_cast<uint32_t>(own.t.head * s.row_bytes);
       const uint32_t down = static_cast<uint32_t>(g.width) * key_bytes;
       auto gather = [&](const LeanPoint<coord_t>& m) {
-        const uint32_t top = (m.corners & ~15u) + chunk;
-        PointCorners<kChunkBytes> c;
-        c.corner[kTopLeft] = load_corner_or_zero<1>(m.corners, values + top);
-        c.corner[kTopRight] = load_corner_or_zero<2>(m.corners, values + (top + key_bytes));
-        c.corner[kBottomLeft] = load_corner_or_zero<4>(m.corners, values + (top + down));
-        c.corner[kBottomRight] = load_corner_or_zero<8>(m.corners, values + (top + down + key_bytes));
-        return c;
+        return gather_lean_corners(values, m.corners, chunk, key_bytes, down);
       };
       auto accumulate = [&](const PointCorners<kChunkBytes>& c, const LeanPoint<coord_t>& m) {
-        use_corners<scalar_t, VEC>(c, [&](int corner, const acc_t (&v)[VEC]) {
-          const acc_t weight = static_cast<acc_t>(m.weights.w[corner]);
-#pragma unroll
-          for (int k = 0; k < VEC; ++k) acc[0][k] = fma(weight, v[k], acc[0][k]);
-        });
+        accumulate_lean_corners<scalar_t, VEC>(acc[0], c, m.weights);
       };
 #pragma unroll
       for (int i = 0; i < kOwnLevelPoints; i += 2) {
@@ -536,23 +551,10 @@ __global__ void __maxnreg__(lean_max_registers<scalar_t>()) forward_lean_kernel(
         const int first = (cl.team + j * cl.teams) * p.points;
         // Branch-free: a missing point reads zeros. Two points' gathers in flight before either is
         // summed: decoder-sized calls are one wave, where each gather's round trip is on the path.
-        auto gather = [&](int i) {
-          const uint32_t corners = meta.corners[i];
-          const uint32_t top = (corners & ~15u) + chunk;
-          PointCorners<kChunkBytes> c;
-          c.corner[kTopLeft] = load_corner_or_zero<1>(corners, values + top);
-          c.corner[kTopRight] = load_corner_or_zero<2>(corners, values + (top + key_bytes));
-          c.corner[kBottomLeft] = load_corner_or_zero<4>(corners, values + (top + down));
-          c.corner[kBottomRight] = load_corner_or_zero<8>(corners, values + (top + down + key_bytes));
-          return c;
-        };
+        auto gather = [&](int i) { return gather_lean_corners(values, meta.corners[i], chunk, key_bytes, down); };
         auto accumulate = [&](const PointCorners<kChunkBytes>& c, int i) {
           const CornerWeights<coord_t> w = meta.weights[i];
-          use_corners<scalar_t, VEC>(c, [&](int corner, const acc_t (&v)[VEC]) {
-            const acc_t weight = static_cast<acc_t>(w.w[corner]);
-#pragma unroll
-            for (int k = 0; k < VEC; ++k) acc[j][k] = fma(weight, v[k], acc[j][k]);
-          });
+          accumulate_lean_corners<scalar_t, VEC>(acc[j], c, w);
         };
         int point = 0;
 #pragma unroll 1
