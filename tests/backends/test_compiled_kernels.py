@@ -480,6 +480,44 @@ def test_tma_ws_mma_backward_against_float64(case, dtype):
             check_backward_config(problem, answers, config, name, deterministic)
 
 
+def border_encoder_problem(dtype, edge: str):
+    """An encoder sampled around its pixels, with every point moved into the band of half a pixel
+    past one edge of its level (`left`: x0 = -1, `top`: y0 = -1) or past the bottom-right corner
+    (only the top-left corner inside). The points keep their other coordinate, so each tile's
+    points cluster along the edge: the MMA window takes them with the corners outside the level,
+    which it must never add (window_pipeline.cuh, kMmaCellBias)."""
+    shapes, batch, heads = [(48, 64), (24, 32), (12, 16), (6, 8)], 2, 8
+    keys = sum(h * w for h, w in shapes)
+    g = torch.Generator().manual_seed(31)
+    p = make_problem(shapes, batch, keys, heads, 32, 4, generator=g, locality="encoder", outside_fraction=0)
+    loc = p.sampling_locations.clone()  # (batch, queries, heads, levels, points, 2), normalised
+    size = torch.tensor([[w, h] for h, w in shapes], dtype=loc.dtype).view(1, 1, 1, len(shapes), 1, 2)
+    band = torch.rand(loc.shape[:-1], generator=g, dtype=loc.dtype)  # pixel offset in (-1, 0) past the edge
+    past_start = (band - 0.5) / size[..., 0]  # pixel (band - 1), normalised: -1 < pixel < 0
+    past_end = lambda axis: 1 + (band - 0.5) / size[..., axis]  # pixel size - 1 + band
+    if edge == "left":
+        loc[..., 0] = past_start
+    elif edge == "top":
+        loc[..., 1] = (band - 0.5) / size[..., 1]
+    else:
+        loc[..., 0], loc[..., 1] = past_end(0), past_end(1)
+    problem = Problem(p.value, p.spatial_shapes, p.level_start_index, loc, p.attention_weights)
+    return problem.to(device="cuda", dtype=dtype, coord_dtype=torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("edge", ["left", "top", "bottom_right"])
+def test_tma_ws_mma_backward_points_across_a_level_edge(edge, dtype):
+    """Points with corners outside their level, clustered along its edge, so that the MMA window
+    takes them: every MMA config, fast and deterministic, against float64."""
+    problem = border_encoder_problem(dtype, edge)
+    skip_unless_supported("tma_ws", validate(*problem.args()))
+    answers = float64_answers(problem, dtype)
+    for config, name in mma_configs():
+        for deterministic in (False, True):
+            check_backward_config(problem, answers, config, name, deterministic)
+
+
 def spread_encoder_problem(dtype, uniform_heads: str):
     """An encoder (one query per pixel, 48 x 64 at the finest level, 32 channels) without points
     pushed outside: every head sampled around its pixel ('none'), uniformly ('all'), or the even

@@ -858,13 +858,14 @@ __global__ void __launch_bounds__(kMaxThreads, kCtasPerSm)
         // Window points whose contributions are summed per cell below (gather, MMA).
         bool gathered = false;
         if constexpr (kGather) gathered = w.rows > 0 && m.cell >= 0;
-        // MMA: lane c of the team adds corner c of a gathered point to A.
+        // MMA: lane c of the team adds corner c of a gathered point to A, if c lies in the level
+        // (the window holds those only: kMmaCellBias).
         const auto add_weights = [&] {
-          if (gathered && cl.lane < 4) {
+          if (gathered && cl.lane < 4 && (m.valid & (1u << cl.lane))) {
             const int c = cl.lane;
             // selected, not indexed: a run-time index would put the metadata on the stack
             const coord_t weight = c == 0 ? m.weight[0] : c == 1 ? m.weight[1] : c == 2 ? m.weight[2] : m.weight[3];
-            add_mma_weight<scalar_t>(smem_base, s, slot, m.cell + (c & 1) + ((c & 2) ? s.window_cols : 0),
+            add_mma_weight<scalar_t>(smem_base, s, slot, m.cell - kMmaCellBias + (c & 1) + ((c & 2) ? s.window_cols : 0),
                                      static_cast<float>(weight) * s.weight_scale);
           }
           __syncwarp();  // the next point's lanes see these weights

@@ -159,6 +159,9 @@ LaunchShape spread_fallback_shape(const ProblemTensors& problem, const LaunchSha
 
 // The MMA backward's accumulation window (cells a side) and its slot limit (four k-steps).
 constexpr int kMmaWindowSide = 16;
+// A point's cell in the MMA window is its top-left corner's plus this bias, so that it stays >= 0
+// (in the window) for a point whose top-left corner lies at x or y = -1, outside its level.
+constexpr int kMmaCellBias = kMmaWindowSide + 1;
 constexpr int kMmaMaxSlots = 64;
 // Whether backward config `config` (-1: the default) is an MMA config.
 bool is_mma_config(int64_t config);

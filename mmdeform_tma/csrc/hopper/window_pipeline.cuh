@@ -244,6 +244,14 @@ __device__ __forceinline__ WindowPoint<coord_t> point_geometry(int batch, int64_
   return m;
 }
 
+// Bits (Corner order) of the corners of a point with top-left corner (x0, y0) that lie in the
+// window of cols x rows cells at (wx0, wy0).
+__device__ __forceinline__ unsigned corners_in_window(int x0, int y0, int wx0, int wy0, int cols, int rows) {
+  const bool left = x0 >= wx0 && x0 < wx0 + cols, right = x0 + 1 >= wx0 && x0 + 1 < wx0 + cols;
+  const bool top = y0 >= wy0 && y0 < wy0 + rows, bottom = y0 + 1 >= wy0 && y0 + 1 < wy0 + rows;
+  return (top && left ? 1u : 0u) | (top && right ? 2u : 0u) | (bottom && left ? 4u : 0u) | (bottom && right ? 8u : 0u);
+}
+
 // What produce_stage runs between the window pass and its arrival: nothing, unless a kernel adds
 // its own per-stage work (the gather backward's cell index).
 struct NoStageWork {
@@ -318,10 +326,17 @@ __device__ __forceinline__ StageWindow produce_stage(
   }
   int inside = 0;
   if (w.rows > 0) {
+    // A loaded window serves all four corners of its points. The MMA's accumulation window (not
+    // loaded) also takes a point with corners outside the level, which it never adds: only its
+    // level's corners need lie in the window. Its cell is then kMmaCellBias past the top-left one,
+    // which may lie outside the window (a corner at x or y = -1).
+    const int bias = s.load_window ? 0 : kMmaCellBias;
     for (int i = lane; i < n; i += 32) {
       WindowPoint<coord_t>& m = meta[i];
-      if (m.valid == 0xFu && m.x0 >= wx0 && m.x0 + 1 < wx0 + w.cols && m.y0 >= wy0 && m.y0 + 1 < wy0 + w.rows) {
-        m.cell = (m.y0 - wy0) * s.window_cols + (m.x0 - wx0);
+      const unsigned needed = s.load_window ? 0xFu : m.valid;
+      const unsigned held = corners_in_window(m.x0, m.y0, wx0, wy0, w.cols, w.rows);
+      if (m.valid != 0u && (m.valid & needed) == needed && (held & needed) == needed) {
+        m.cell = (m.y0 - wy0) * s.window_cols + (m.x0 - wx0) + bias;
         ++inside;
       }
     }
