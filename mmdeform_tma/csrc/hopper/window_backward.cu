@@ -357,18 +357,22 @@ static_assert(offsetof(WindowPoint<float>, valid) == kMetaKeyOffset + 4, "key an
 
 // The lane's B chunks: for n-tile j, corner (g mod 4) of the point of team 2j + g / 4, whose
 // metadata lies `team_meta_stride` bytes after team 0's; `lane_value` is the head's channel 8t.
+// A key's offset is one signed 32 x 32 -> 64-bit multiply-add (`key_bytes` fits 32 bits): with
+// the stride in 64 bits and in elements it took seven instructions a corner.
 template <typename scalar_t>
 __device__ __forceinline__ void load_mma_corners(Chunk<16> (&b)[4], uint32_t meta_of_team0, uint32_t team_meta_stride,
-                                                 const scalar_t* lane_value, int64_t key_stride, int64_t row_stride) {
+                                                 const scalar_t* lane_value, int key_bytes, int64_t row_bytes) {
   const int lane = threadIdx.x & 31;
   const int corner = (lane >> 2) & 3;
-  const scalar_t* corner_base = lane_value + ((corner & 1) ? key_stride : 0) + ((corner & 2) ? row_stride : 0);
+  const char* corner_base =
+      reinterpret_cast<const char*>(lane_value) + ((corner & 1) ? key_bytes : 0) + ((corner & 2) ? row_bytes : 0);
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
     const uint32_t source = meta_of_team0 + static_cast<uint32_t>(2 * j + (lane >> 4)) * team_meta_stride;
     uint32_t key, valid;
     asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(key), "=r"(valid) : "r"(source + kMetaKeyOffset));
-    b[j] = load_global_corner<16>(valid & (1u << corner), corner_base + static_cast<int64_t>(static_cast<int>(key)) * key_stride);
+    b[j] = load_global_corner<16>(valid & (1u << corner),
+                                  corner_base + static_cast<int64_t>(static_cast<int>(key)) * static_cast<int64_t>(key_bytes));
   }
 }
 
@@ -389,10 +393,10 @@ __device__ __forceinline__ void load_mma_corners(Chunk<16> (&b)[4], uint32_t met
 // partner team's or nothing).
 template <typename scalar_t>
 __device__ __forceinline__ MmaDots mma_point_dots(uint32_t meta_of_team0, uint32_t team_meta_stride,
-                                                  const scalar_t* lane_value, int64_t key_stride, int64_t row_stride,
+                                                  const scalar_t* lane_value, int key_bytes, int64_t row_bytes,
                                                   uint4 go) {
   Chunk<16> b[4];
-  load_mma_corners(b, meta_of_team0, team_meta_stride, lane_value, key_stride, row_stride);
+  load_mma_corners(b, meta_of_team0, team_meta_stride, lane_value, key_bytes, row_bytes);
   const int lane = threadIdx.x & 31;
   const uint32_t a0[4] = {go.x, 0u, go.y, 0u}, a1[4] = {go.z, 0u, go.w, 0u};
   float mine0 = 0.0f, mine1 = 0.0f;
@@ -460,22 +464,46 @@ __device__ __forceinline__ void undo_operand_scales(float (&v)[4], float inverse
   }
 }
 
-// Reduces one 16 x 8 accumulator tile (window cells x channels) into the sink: lane pairs swap
-// halves so that each lane holds four consecutive channels of one cell (even lanes row g, odd
-// lanes row g + 8). `index` is the lane's element for channel 0 of the tile; cells that no point
-// touched sum to exactly zero and are skipped.
+// How a 16 x 8 accumulator tile reaches the sink. The fast (fp32 atomic) sink takes the sums as
+// the MMA left them: lane (g, t) holds channels 2t, 2t + 1 of cells g and g + 8, two 8-byte
+// reductions. The other sinks take four consecutive channels of one cell a lane, after lane pairs
+// swap halves (even lanes row g, odd lanes row g + 8): two shuffles and six selects a tile, which
+// were 4 % of the fp16 encoder's fast backward (perf_notes.md, item 111).
+template <typename Sink>
+constexpr bool kPairReductions = std::is_same_v<Sink, AtomicSink<float>>;
+
+// The lane's element for channel 0 of a window row's m-tile whose first cell is `key`: cell g
+// (pairs) or g + 8 for odd lanes (swapped halves), and its first channel.
+template <typename Sink>
+__device__ __forceinline__ int64_t mma_tile_lane_index(int64_t key, int64_t key_stride, int64_t head_column) {
+  const int lane = threadIdx.x & 31;
+  if constexpr (kPairReductions<Sink>) return (key + (lane >> 2)) * key_stride + head_column + 2 * (lane & 3);
+  return (key + (lane >> 2) + ((lane & 1) ? 8 : 0)) * key_stride + head_column + 4 * ((lane & 3) >> 1);
+}
+
+// Reduces one 16 x 8 accumulator tile (window cells x channels) into the sink (kPairReductions).
+// `index` is the lane's element for channel 0 of the tile (mma_tile_lane_index), `cells8` the
+// elements from a cell to the cell 8 after it; cells that no point touched sum to exactly zero and
+// are skipped.
 template <bool kScaled, typename Sink, bool kRowScaled = false>
-__device__ __forceinline__ void reduce_mma_tile(const Sink& sink, const float (&d)[4], int64_t index, float inverse_scale,
-                                                float row_unscale = 1.0f) {
-  const bool odd = threadIdx.x & 1;
-  const float give0 = odd ? d[0] : d[2], give1 = odd ? d[1] : d[3];
-  const float got0 = __shfl_xor_sync(0xffffffffu, give0, 1), got1 = __shfl_xor_sync(0xffffffffu, give1, 1);
-  float v[4] = {odd ? got0 : d[0], odd ? got1 : d[1], odd ? d[2] : got0, odd ? d[3] : got1};
-  // +-0 in all four (the bits past the sign), as every channel of an untouched cell is
-  const uint32_t bits = __float_as_uint(v[0]) | __float_as_uint(v[1]) | __float_as_uint(v[2]) | __float_as_uint(v[3]);
-  if ((bits << 1) == 0u) return;
-  undo_operand_scales<kScaled, kRowScaled>(v, inverse_scale, row_unscale);
-  sink.add(index, v);
+__device__ __forceinline__ void reduce_mma_tile(const Sink& sink, const float (&d)[4], int64_t index, int64_t cells8,
+                                                float inverse_scale, float row_unscale = 1.0f) {
+  if constexpr (kPairReductions<Sink>) {
+    float v[4] = {d[0], d[1], d[2], d[3]};
+    undo_operand_scales<kScaled, kRowScaled>(v, inverse_scale, row_unscale);
+    // +-0 in both (the bits past the sign), as every channel of an untouched cell is
+    if (((__float_as_uint(d[0]) | __float_as_uint(d[1])) << 1) != 0u) sink.add(index, {v[0], v[1]});
+    if (((__float_as_uint(d[2]) | __float_as_uint(d[3])) << 1) != 0u) sink.add(index + cells8, {v[2], v[3]});
+  } else {
+    const bool odd = threadIdx.x & 1;
+    const float give0 = odd ? d[0] : d[2], give1 = odd ? d[1] : d[3];
+    const float got0 = __shfl_xor_sync(0xffffffffu, give0, 1), got1 = __shfl_xor_sync(0xffffffffu, give1, 1);
+    float v[4] = {odd ? got0 : d[0], odd ? got1 : d[1], odd ? d[2] : got0, odd ? d[3] : got1};
+    const uint32_t bits = __float_as_uint(v[0]) | __float_as_uint(v[1]) | __float_as_uint(v[2]) | __float_as_uint(v[3]);
+    if ((bits << 1) == 0u) return;
+    undo_operand_scales<kScaled, kRowScaled>(v, inverse_scale, row_unscale);
+    sink.add(index, v);
+  }
 }
 
 // The deterministic MMA kernels' flush of one window row's sums (16 cells x 32 channels: d[j] is
@@ -576,9 +604,8 @@ __device__ __forceinline__ void reduce_window_mma(uint32_t smem_base, const Laun
   const int m_tiles = w.rows * s.window_cols / 16;
   for (int tile = warp; tile < m_tiles; tile += s.consumer_warps) {
     const int m0 = tile * 16;
-    const int cell = m0 + (lane >> 2) + ((lane & 1) ? 8 : 0);  // the cell this lane reduces
-    const int64_t key = static_cast<int64_t>(w.key0) + (cell >> s.window_cols_log2) * w.width + (cell & (s.window_cols - 1));
-    const int64_t index = key * key_stride + head_column + 4 * ((lane & 3) >> 1);
+    const int64_t row_key = static_cast<int64_t>(w.key0) + static_cast<int64_t>(tile) * w.width;  // an m-tile is a window row
+    const int64_t index = mma_tile_lane_index<Sink>(row_key, key_stride, head_column);
     // kGroups x 16 channels at a time: each A block (hi, lo) is loaded once for kGroups 16-channel
     // groups of G (ncu, H100, 2026-11-24: ldmatrix was 15 % of the L1's wavefronts with one group
     // per load). Two groups need 8 more accumulator registers: at 4 CTAs per SM (96 registers) only
@@ -621,8 +648,10 @@ __device__ __forceinline__ void reduce_window_mma(uint32_t smem_base, const Laun
 #pragma unroll
         for (int q = 0; q < kGroups; ++q) {
           if (q >= groups) break;
-          reduce_mma_tile<kScaled, Sink, kHiLoRows>(sink, d[2 * q], index + c0 + 16 * q, inverse_scale, row_unscale);
-          reduce_mma_tile<kScaled, Sink, kHiLoRows>(sink, d[2 * q + 1], index + c0 + 16 * q + 8, inverse_scale, row_unscale);
+          reduce_mma_tile<kScaled, Sink, kHiLoRows>(sink, d[2 * q], index + c0 + 16 * q, 8 * key_stride, inverse_scale,
+                                                     row_unscale);
+          reduce_mma_tile<kScaled, Sink, kHiLoRows>(sink, d[2 * q + 1], index + c0 + 16 * q + 8, 8 * key_stride,
+                                                     inverse_scale, row_unscale);
         }
       }
     }
@@ -913,13 +942,11 @@ __global__ void __launch_bounds__(kMaxThreads, kCtasPerSm)
                                          static_cast<uint32_t>((slot - (cl.team & 7)) * p.points + point);
           const MmaDots d = mma_point_dots<scalar_t>(
               meta_of_team0, static_cast<uint32_t>(sizeof(WindowPoint<coord_t>) * p.points),
-              p.value + head_column + 8 * cl.lane, key_stride, row_stride, go_chunk);
+              p.value + head_column + 8 * cl.lane, static_cast<int>(key_stride * sizeof(scalar_t)),
+              row_stride * static_cast<int64_t>(sizeof(scalar_t)), go_chunk);
           add_weights();  // after the products: the chunks are dead by then
 #pragma unroll
-          for (int c = 0; c < 4; ++c) {
-            dot[c] = d.dot[c];
-            add_direct(c);
-          }
+          for (int c = 0; c < 4; ++c) dot[c] = d.dot[c];
           whole_dots = true;
         }
         if (!whole_dots) {
@@ -927,8 +954,17 @@ __global__ void __launch_bounds__(kMaxThreads, kCtasPerSm)
             dot[c] = acc_t(0);
 #pragma unroll
             for (int k = 0; k < VEC; ++k) dot[c] = fma(go[k], v[k], dot[c]);
-            add_direct(c);
+            if constexpr (!kMma) add_direct(c);
           });
+        }
+        if constexpr (kMma) {
+          // One vote a warp for the direct path, which few of the MMA kernels' points take (corners
+          // outside the window, a non-finite row): four tests and branches a point otherwise, 6 % of
+          // the fp16 encoder's instructions (perf_notes.md, item 111). The warp is converged here.
+          if (__any_sync(0xffffffffu, !gathered && m.valid != 0u)) {
+#pragma unroll
+            for (int c = 0; c < 4; ++c) add_direct(c);
+          }
         }
         const acc_t ly = m.ly, lx = m.lx, hy = acc_t(1) - ly, hx = acc_t(1) - lx;
         acc_t grad_a = hy * hx * dot[kTopLeft] + hy * lx * dot[kTopRight] + ly * hx * dot[kBottomLeft] +
