@@ -1,10 +1,15 @@
-"""NumPy emulation of the `tma_ws` gather backward's value gradient (the `_g` configs), no GPU.
+"""NumPy emulation of the `tma_ws` window backwards' value gradient, no GPU: the gather kernel (the
+`_g` configs) and the MMA kernel's accumulation window (the `_m16` configs and the encoders' default).
 
 It follows window_pipeline.cuh and window_backward.cu stage by stage: pixel-block tiles, the
 producer's point geometry (float32), window placement and the window-point test, the counting
 sort of window corners by cell (stable: scan order of the producer warp), and the consumers'
-per-cell fp32 sums next to the direct reductions of the other corners. It checks grad_value
-against float64 and counts L2 reductions against the plain kernel's (one per valid corner).
+per-cell fp32 sums next to the direct reductions of the other corners. The MMA window is 16 x 16
+cells whatever the row, and takes a point whose corners *inside its level* lie in it (a corner
+outside the level gets no entry; its cell carries kMmaCellBias); `mma="full"` is the rule before
+session 48, all four corners inside. The MMA's sums are emulated in fp32 per cell (the kernel's
+products run on fp16 hi + lo operands). It checks grad_value against float64 and counts L2
+reductions against the plain kernel's (one per valid corner).
 
     python tools/gather_emulation.py            # correctness on small shapes, then statistics
     python tools/gather_emulation.py --stats    # statistics of the bs 2 fp16 encoder only
@@ -30,6 +35,17 @@ def window_shape(row_bytes: int, kbytes: int = 16) -> tuple[int, int]:
     cells = kbytes * 1024 // row_bytes
     cols = min(max(floor_pow2(int(math.sqrt(cells))), 8), 32)
     return min(max(cells // cols, 1), 32), cols
+
+
+MMA_WINDOW_SIDE = 16  # window_config.h: kMmaWindowSide
+MMA_CELL_BIAS = MMA_WINDOW_SIDE + 1  # window_config.h: kMmaCellBias
+
+
+def corners_in_window(x0, y0, wx0, wy0, cols, rows):
+    """window_pipeline.cuh's corners_in_window(): bits (corner order) of the corners in the window."""
+    left, right = (x0 >= wx0) & (x0 < wx0 + cols), (x0 + 1 >= wx0) & (x0 + 1 < wx0 + cols)
+    top, bottom = (y0 >= wy0) & (y0 < wy0 + rows), (y0 + 1 >= wy0) & (y0 + 1 < wy0 + rows)
+    return (top & left) * 1 | (top & right) * 2 | (bottom & left) * 4 | (bottom & right) * 8
 
 
 def block_shape(slots: int) -> tuple[int, int]:
@@ -74,12 +90,14 @@ def corner_weights(lx, ly):
     return np.stack([(one - ly) * (one - lx), (one - ly) * lx, ly * (one - lx), ly * lx], -1).astype(np.float32)
 
 
-def emulate(levels, heads, channels, points, slots, row_bytes, loc, attn, grad_out, exact_order=True, gather=True):
-    """grad_value (float32) of one batch and the reduction counts (plain kernel, gather kernel);
-    gather=False: the plain kernel (every corner reduced directly)."""
+def emulate(levels, heads, channels, points, slots, row_bytes, loc, attn, grad_out, exact_order=True, gather=True,
+            mma=None):
+    """grad_value (float32) of one batch and the reduction counts (plain kernel, window kernel);
+    gather=False: the plain kernel (every corner reduced directly); mma='partial' (the kernel's
+    rule) or 'full' (all four corners in the level): the MMA kernel's accumulation window."""
     starts = np.concatenate([[0], np.cumsum([h * w for h, w in levels])[:-1]])
     keys = int(sum(h * w for h, w in levels))
-    win_rows, win_cols = window_shape(row_bytes)
+    win_rows, win_cols = (MMA_WINDOW_SIDE, MMA_WINDOW_SIDE) if mma else window_shape(row_bytes)
     brows, bcols = block_shape(slots)
     grad = np.zeros((keys, heads, channels), np.float32)
     plain = gathered = 0
@@ -116,8 +134,11 @@ def emulate(levels, heads, channels, points, slots, row_bytes, loc, attn, grad_o
                             wy0 = min_y if max_y - min_y < win_rows else max(0, min(h - win_rows, (min_y + max_y + 1 - win_rows) // 2))
                             rows = min(win_rows, max_y - wy0 + 1)
                             cols = min(win_cols, w - wx0)
-                            inw = (valid == 15) & (x0 >= wx0) & (x0 + 1 < wx0 + cols) & (y0 >= wy0) & (y0 + 1 < wy0 + rows)
-                            cell = np.where(inw, (y0 - wy0) * win_cols + (x0 - wx0), -1)
+                            needed = valid if mma == "partial" else np.full_like(valid, 15)
+                            held = corners_in_window(x0, y0, wx0, wy0, cols, rows)
+                            inw = (valid > 0) & ((valid & needed) == needed) & ((held & needed) == needed)
+                            bias = MMA_CELL_BIAS if mma else 0
+                            cell = np.where(inw, (y0 - wy0) * win_cols + (x0 - wx0) + bias, -1)
                             if 4 * inw.sum() < rows * cols:
                                 rows = 0
                         in_window = (cell >= 0) & (rows > 0) & gather
@@ -135,6 +156,19 @@ def emulate(levels, heads, channels, points, slots, row_bytes, loc, attn, grad_o
                             per_level[level, 0] += plain_c
                             per_level[level, 1] += int(m.sum())
                         if not in_window.any():
+                            continue
+                        if mma:  # A^T x G: one fp32 sum per touched cell, of the level's corners only
+                            sums = np.zeros((rows * win_cols, channels), np.float32)
+                            for c in range(4):
+                                m = in_window & ((valid >> c) & 1).astype(bool)
+                                at = cell[m] - MMA_CELL_BIAS + (c & 1) + (win_cols if c & 2 else 0)
+                                assert ((at >= 0) & (at < rows * win_cols) & (at % win_cols < cols)).all()
+                                np.add.at(sums, at, (wts[m, c][:, None] * go_rows[m]).astype(np.float32))
+                            touched = np.nonzero(np.any(sums != 0, axis=1))[0]
+                            wy0_key = starts[level] + wy0 * w + wx0
+                            grad[wy0_key + (touched // win_cols) * w + touched % win_cols, head] += sums[touched]
+                            gathered += len(touched)
+                            per_level[level, 1] += len(touched)
                             continue
                         # the index: counting sort of window corners by cell, stable in scan order
                         n = q.size
@@ -192,15 +226,16 @@ def reference(levels, heads, channels, loc, attn, grad_out):
     return grad
 
 
-def check(levels, heads, channels, points, slots, row_bytes, seed):
+def check(levels, heads, channels, points, slots, row_bytes, seed, mma=None):
     """`row_bytes` sizes the window as the kernel's head row would (64: fp16 x 32 channels, a
-    16 x 16 window; 128: fp32, 16 x 8); `channels` only sizes the emulated gradient rows."""
+    16 x 16 window; 128: fp32, 16 x 8; the MMA window is 16 x 16 for any); `channels` only sizes
+    the emulated gradient rows."""
     rng = np.random.default_rng(seed)
     loc, attn = local_inputs(levels, heads, points, rng)
     q = loc.shape[0]
     loc[rng.random(loc.shape[:4]) < 0.05] += np.float32(0.3)  # some points near or past the edges
     grad_out = rng.standard_normal((q, heads, channels)).astype(np.float32)
-    got, plain, gathered, _ = emulate(levels, heads, channels, points, slots, row_bytes, loc, attn, grad_out)
+    got, plain, gathered, _ = emulate(levels, heads, channels, points, slots, row_bytes, loc, attn, grad_out, mma=mma)
     direct = emulate(levels, heads, channels, points, slots, row_bytes, loc, attn, grad_out, gather=False)[0]
     want = reference(levels, heads, channels, loc, attn, grad_out)
     err, err_direct = (np.linalg.norm(g - want) / np.linalg.norm(want) for g in (got, direct))
@@ -209,17 +244,17 @@ def check(levels, heads, channels, points, slots, row_bytes, seed):
     assert err < 2e-6 and err < 2 * err_direct, (err, err_direct)
 
 
-def stats(slots: int, element: int, heads: int = 2):
+def stats(slots: int, element: int, heads: int = 2, mma=None):
     """Reduction counts of the bs 2 fp16 encoder (8 x 32 channels, 4 points) with the benchmark's
     'local' inputs; heads are alike, so two of them stand for eight."""
     levels = [(100, 152), (50, 76), (25, 38), (13, 19)]
     rng = np.random.default_rng(0)
     loc, attn = local_inputs(levels, heads, 4, rng)
-    grad_out = np.zeros((loc.shape[0], heads, 1), np.float32)
+    grad_out = np.ones((loc.shape[0], heads, 1), np.float32)  # nonzero: a touched cell's sum is not zero
     _, plain, gathered, per_level = emulate(levels, heads, 1, 4, slots, 32 * element, loc, attn, grad_out,
-                                            exact_order=False)
-    print(f"encoder, slots {slots}, {32 * element}-byte rows: reductions {plain} -> {gathered} "
-          f"({plain / gathered:.2f}x fewer)")
+                                            exact_order=False, mma=mma)
+    kind = f"MMA window ({mma})" if mma else f"{32 * element}-byte rows"
+    print(f"encoder, slots {slots}, {kind}: reductions {plain} -> {gathered} ({plain / gathered:.2f}x fewer)")
     for level, (p, g) in enumerate(per_level):
         print(f"  sampled level {level}: {p} -> {g} ({p / g:.2f}x)")
 
@@ -233,8 +268,12 @@ def main() -> None:
         check([(30, 44), (15, 22), (8, 11)], heads=1, channels=4, points=3, slots=64, row_bytes=64, seed=2)
         check([(17, 9), (8, 5), (1, 1)], heads=2, channels=4, points=2, slots=32, row_bytes=128, seed=3)
         check([(40, 33), (20, 17)], heads=1, channels=4, points=4, slots=32, row_bytes=128, seed=4)
+        check([(9, 13), (5, 7), (3, 4)], heads=2, channels=8, points=4, slots=32, row_bytes=64, seed=1, mma="partial")
+        check([(17, 9), (8, 5), (1, 1)], heads=2, channels=4, points=2, slots=32, row_bytes=128, seed=3, mma="partial")
     for slots in (32, 64):
         stats(slots, element=2)
+    for rule in ("full", "partial"):
+        stats(32, element=2, mma=rule)
 
 
 if __name__ == "__main__":
