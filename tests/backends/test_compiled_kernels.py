@@ -492,13 +492,18 @@ def border_encoder_problem(dtype, edge: str):
     p = make_problem(shapes, batch, keys, heads, 32, 4, generator=g, locality="encoder", outside_fraction=0)
     loc = p.sampling_locations.clone()  # (batch, queries, heads, levels, points, 2), normalised
     size = torch.tensor([[w, h] for h, w in shapes], dtype=loc.dtype).view(1, 1, 1, len(shapes), 1, 2)
-    band = torch.rand(loc.shape[:-1], generator=g, dtype=loc.dtype)  # pixel offset in (-1, 0) past the edge
-    past_start = (band - 0.5) / size[..., 0]  # pixel (band - 1), normalised: -1 < pixel < 0
-    past_end = lambda axis: 1 + (band - 0.5) / size[..., axis]  # pixel size - 1 + band
+    band = torch.rand(loc.shape[:-1], generator=g, dtype=loc.dtype)
+
+    def past_start(axis):  # pixel band - 1, in (-1, 0), normalised
+        return (band - 0.5) / size[..., axis]
+
+    def past_end(axis):  # pixel size - 1 + band
+        return 1 + past_start(axis)
+
     if edge == "left":
-        loc[..., 0] = past_start
+        loc[..., 0] = past_start(0)
     elif edge == "top":
-        loc[..., 1] = (band - 0.5) / size[..., 1]
+        loc[..., 1] = past_start(1)
     else:
         loc[..., 0], loc[..., 1] = past_end(0), past_end(1)
     problem = Problem(p.value, p.spatial_shapes, p.level_start_index, loc, p.attention_weights)

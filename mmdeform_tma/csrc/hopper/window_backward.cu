@@ -481,8 +481,8 @@ __device__ __forceinline__ int64_t mma_tile_lane_index(int64_t key, int64_t key_
   return (key + (lane >> 2) + ((lane & 1) ? 8 : 0)) * key_stride + head_column + 4 * ((lane & 3) >> 1);
 }
 
-// Reduces one 16 x 8 accumulator tile (window cells x channels) into the sink (kPairReductions).
-// `index` is the lane's element for channel 0 of the tile (mma_tile_lane_index), `cells8` the
+// Reduces one 16 x 8 accumulator tile (window cells x channels) into the sink, in the lane layout
+// kPairReductions picks. `index` is the lane's element for channel 0 of the tile (mma_tile_lane_index), `cells8` the
 // elements from a cell to the cell 8 after it; cells that no point touched sum to exactly zero and
 // are skipped.
 template <bool kScaled, typename Sink, bool kRowScaled = false>
@@ -959,8 +959,8 @@ __global__ void __launch_bounds__(kMaxThreads, kCtasPerSm)
         }
         if constexpr (kMma) {
           // One vote a warp for the direct path, which few of the MMA kernels' points take (corners
-          // outside the window, a non-finite row): four tests and branches a point otherwise, 6 % of
-          // the fp16 encoder's instructions (perf_notes.md, item 111). The warp is converged here.
+          // outside the window, a non-finite row): four tests and branches a point otherwise, about 4 %
+          // of the fp16 encoder's instructions (perf_notes.md, item 111). The warp is converged here.
           if (__any_sync(0xffffffffu, !gathered && m.valid != 0u)) {
 #pragma unroll
             for (int c = 0; c < 4; ++c) add_direct(c);
