@@ -585,11 +585,11 @@ __device__ __forceinline__ void flush_fixed_point_row(const Sink& sink, const fl
 // 32 channels, kGroups 2: a row's sums in one pass): the row leaves through flush_fixed_point_row.
 // fp32 (hi + lo rows): A^T G = A_hi^T G_hi + A_lo^T G_hi + A_hi^T G_lo, the sums times `row_unscale`;
 // the dropped A_lo^T G_lo is below 2^-22 of the products.
-// kRows32 (32 channels: kGroups 2 takes a row in one pass) in fp16/bf16: the warp loads k-step 0's
-// output-gradient fragments (slots 0-15, 8 registers) once per stage and keeps them across its
-// m-tiles. ldmatrix was a third of the fp16 encoder backward's shared-memory wavefronts, and the LSU
-// data pipe its busiest unit at 71 % (ncu); k-step 1's fragments too spilled at 4 CTAs per SM
-// (perf_notes.md, item 114).
+// kRows32 (32 channels: kGroups 2 takes a row in one pass; every fp32 MMA kernel): the warp loads
+// k-step 0's output-gradient fragments (slots 0-15; 8 registers, 16 for fp32's hi and lo parts)
+// once per stage and keeps them across its m-tiles. ldmatrix was a third of the fp16 encoder
+// backward's shared-memory wavefronts, and the LSU data pipe its busiest unit at 71 % (ncu); k-step
+// 1's fragments too spilled at 4 CTAs per SM (perf_notes.md, items 114 and 116).
 template <typename scalar_t, int kGroups, bool kTmaFlush, typename Sink, bool kRows32 = false>
 __device__ __forceinline__ void reduce_window_mma(uint32_t smem_base, const LaunchShape& s, const StageWindow& w,
                                                   const Sink& sink, int64_t key_stride, int64_t head_column,
@@ -606,13 +606,17 @@ __device__ __forceinline__ void reduce_window_mma(uint32_t smem_base, const Laun
   // The rows this lane addresses for ldmatrix: A^T's (slot, cell), the output gradient's (slot, channel).
   const int a_slot = (lane & 7) + ((lane >> 4) << 3), a_cell = ((lane >> 3) & 1) * 8;
   const int b_slot = (lane & 7) + (((lane >> 3) & 1) << 3), b_channel = (lane >> 4) * 8;
-  constexpr bool kCachedRows = kRows32 && !kHiLoRows;
+  constexpr bool kCachedRows = kRows32;
+  constexpr bool kCachedLoRows = kRows32 && kHiLoRows;  // fp32: the lo parts too (3 CTAs per SM, no spills)
   static_assert(!kCachedRows || kGroups == 2, "32 channels in one pass of two groups");
   uint32_t cached[kGroups][4];  // k-step 0 always exists: s.mma needs slots % 16 == 0
+  uint32_t cached_lo[kCachedLoRows ? kGroups : 1][4];
   if constexpr (kCachedRows) {
 #pragma unroll
     for (int q = 0; q < kGroups; ++q) {
-      ldmatrix_x4_trans(cached[q], rows + static_cast<uint32_t>(b_slot * s.g_stride + (16 * q + b_channel) * 2));
+      const uint32_t at = static_cast<uint32_t>(b_slot * s.g_stride + (16 * q + b_channel) * 2);
+      ldmatrix_x4_trans(cached[q], rows + at);
+      if constexpr (kCachedLoRows) ldmatrix_x4_trans(cached_lo[q], rows_lo + at);
     }
   }
   const int m_tiles = w.rows * s.window_cols / 16;
@@ -650,7 +654,12 @@ __device__ __forceinline__ void reduce_window_mma(uint32_t smem_base, const Laun
           mma_16x8x16<mma_t>(d[2 * q + 1], hi, g[2], g[3]);
           mma_16x8x16<mma_t>(d[2 * q + 1], lo, g[2], g[3]);
           if constexpr (kHiLoRows) {
-            ldmatrix_x4_trans(g, rows_lo + g_at);
+            if (kCachedLoRows && k == 0) {
+#pragma unroll
+              for (int i = 0; i < 4; ++i) g[i] = cached_lo[kCachedLoRows ? q : 0][i];
+            } else {
+              ldmatrix_x4_trans(g, rows_lo + g_at);
+            }
             mma_16x8x16<mma_t>(d[2 * q], hi, g[0], g[1]);
             mma_16x8x16<mma_t>(d[2 * q + 1], hi, g[2], g[3]);
           }
@@ -1028,7 +1037,8 @@ __global__ void __launch_bounds__(kMaxThreads, kCtasPerSm)
       if (w.rows > 0) {
         consumer_barrier(s.consumer_warps * 32);  // A and the staged rows are complete
         mbarrier_arrive(ring.empty(at.stage));
-        reduce_window_mma<scalar_t, (kCtasPerSm < 4 || kMmaDots) ? 2 : 1, kTmaFlush, Sink, kRows32>(
+        // fp32's MMA kernels take 32-channel rows only (mma_built), whatever their kRows32
+        reduce_window_mma<scalar_t, (kCtasPerSm < 4 || kMmaDots) ? 2 : 1, kTmaFlush, Sink, kRows32 || kHiLoRows>(
             smem_base, s, w, sink, key_stride, static_cast<int64_t>(t.head) * p.channels, p.channels, s.inverse_weight_scale,
             &flush_map, row_scale.unscale);
         consumer_barrier(s.consumer_warps * 32);  // every warp has read and zeroed its blocks of A
