@@ -165,6 +165,28 @@ def test_deterministic_backward_is_bitwise_repeatable(backend, dtype):
 
 
 @pytest.mark.parametrize("backend", COMPILED_BACKENDS)
+@pytest.mark.parametrize("magnitude", [1e-30, 1.0, 1e30], ids=["1e-30", "1", "1e30"])
+def test_deterministic_backward_fixed_point_scale_at_any_gradient_scale(backend, magnitude):
+    """The fixed-point scale is a power of two 2^e applied as two fp32 factors: at 1e-30 e is past
+    float's exponent range (both factors are needed), at 1e30 it is negative. fp32 accuracy holds
+    at every scale, and the result is bitwise the same twice."""
+    problem = cuda_problem(CASES[0], torch.float32, seed=41)
+    skip_unless_supported(backend, validate(*problem.args()))
+    value, shapes, starts, loc, attn = problem.args()
+    exact_inputs = [t.detach().double().requires_grad_() for t in (value, loc, attn)]
+    exact = gather_reference(exact_inputs[0], shapes, starts, exact_inputs[1], exact_inputs[2])
+    g = torch.Generator(device="cuda").manual_seed(43)
+    grad_output = (torch.randn(exact.shape, device="cuda", generator=g) * magnitude).float()
+    (want,) = torch.autograd.grad(exact, exact_inputs[0], grad_output.double())
+    runs = [torch.ops.mmdeform_tma.ms_deform_attn_backward(grad_output, value, shapes, starts, loc, attn, backend, -1, True)[0]
+            for _ in range(2)]
+    assert torch.equal(runs[0], runs[1])
+    assert torch.isfinite(runs[0]).all()
+    err = rel_l2(runs[0], want)
+    assert err <= 1e-5, f"relative L2 error {err:.3e}"
+
+
+@pytest.mark.parametrize("backend", COMPILED_BACKENDS)
 def test_empty_dimensions(backend):
     for batch, queries in ((0, 5), (2, 0)):
         problem = cuda_problem(("empty", [(3, 4)], max(batch, 1), max(queries, 1), 2, 16, 2, "uniform"), torch.float32)

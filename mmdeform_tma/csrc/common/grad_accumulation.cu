@@ -15,6 +15,45 @@ constexpr int kThreads = 256;
 
 __device__ __forceinline__ float abs_if_finite(float x) { return isfinite(x) ? fabsf(x) : 0.0f; }
 
+// |x| as a float no smaller than it (0 for a non-finite x): exact below fp64, rounded up from fp64.
+template <typename T>
+__device__ __forceinline__ float abs_bound(T x) {
+  if constexpr (std::is_same_v<T, double>) {
+    return abs_if_finite(__double2float_ru(fabs(x)));
+  } else {
+    return abs_if_finite(static_cast<float>(x));
+  }
+}
+
+// The largest abs_bound over p[0, n), this thread's share of a grid-stride loop: 16-byte loads where
+// p is 16-byte aligned, four in flight. One element a load left the pass latency-bound (41.5 us for
+// the fp16 bs 2 DETR encoder's 31 MB, H100; perf_notes item 118).
+template <typename T>
+__device__ __forceinline__ float max_abs_bound(const T* __restrict__ p, int64_t n, int64_t thread, int64_t threads) {
+  constexpr int kPerLoad = 16 / sizeof(T);
+  constexpr int kInFlight = 4;
+  float m = 0.0f;
+  const int64_t loads = reinterpret_cast<uintptr_t>(p) % 16 == 0 ? n / kPerLoad : 0;
+  int64_t c = thread;
+  for (; c + (kInFlight - 1) * threads < loads; c += kInFlight * threads) {
+    Vec<T, kPerLoad> v[kInFlight];
+#pragma unroll
+    for (int u = 0; u < kInFlight; ++u) v[u] = load_vec<T, kPerLoad>(p + (c + u * threads) * kPerLoad);
+#pragma unroll
+    for (int u = 0; u < kInFlight; ++u) {
+#pragma unroll
+      for (int k = 0; k < kPerLoad; ++k) m = fmaxf(m, abs_bound(v[u].v[k]));
+    }
+  }
+  for (; c < loads; c += threads) {
+    const Vec<T, kPerLoad> v = load_vec<T, kPerLoad>(p + c * kPerLoad);
+#pragma unroll
+    for (int k = 0; k < kPerLoad; ++k) m = fmaxf(m, abs_bound(v.v[k]));
+  }
+  for (int64_t i = loads * kPerLoad + thread; i < n; i += threads) m = fmaxf(m, abs_bound(p[i]));
+  return m;
+}
+
 // Touched cells, one byte per (batch, key, head) cell, nonzero when touched. `marks` null: every
 // cell counts as touched.
 struct TouchedCells {
@@ -30,46 +69,87 @@ template <typename coord_t, typename scalar_t>
 __global__ void __launch_bounds__(kThreads) fixed_point_bounds_kernel(
     const coord_t* __restrict__ weights, int64_t num_weights, const scalar_t* __restrict__ grad, int64_t num_grad,
     FixedPointBounds* __restrict__ bounds) {
-  float max_weight = 0.0f, max_grad = 0.0f;
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < num_weights; i += stride) {
-    // Rounded up to float: a slightly larger bound only costs a sliver of precision.
-    max_weight = fmaxf(max_weight, abs_if_finite(__double2float_ru(fabs(static_cast<double>(weights[i])))));
-  }
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < num_grad; i += stride) {
-    max_grad = fmaxf(max_grad, abs_if_finite(__double2float_ru(fabs(static_cast<double>(grad[i])))));
-  }
+  const int64_t thread = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  const int64_t threads = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  float max_weight = max_abs_bound(weights, num_weights, thread, threads);
+  float max_grad = max_abs_bound(grad, num_grad, thread, threads);
   for (int offset = 16; offset > 0; offset >>= 1) {
     max_weight = fmaxf(max_weight, __shfl_xor_sync(0xffffffffu, max_weight, offset));
     max_grad = fmaxf(max_grad, __shfl_xor_sync(0xffffffffu, max_grad, offset));
   }
+  // One atomic pair a block, not a warp: atomics on one address serialise in the L2, and a warp's
+  // pair (8 K of them) kept the pass at 30 us after its loads were widened (perf_notes item 118).
+  __shared__ float warp_max[2][kThreads / 32];
+  const int warp = threadIdx.x / 32, warps = blockDim.x / 32;
   if ((threadIdx.x & 31) == 0) {
+    warp_max[0][warp] = max_weight;
+    warp_max[1][warp] = max_grad;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < warps; ++w) {
+      max_weight = fmaxf(max_weight, warp_max[0][w]);
+      max_grad = fmaxf(max_grad, warp_max[1][w]);
+    }
     atomicMax(&bounds->max_abs_weight_bits, __float_as_uint(max_weight));
     atomicMax(&bounds->max_abs_grad_bits, __float_as_uint(max_grad));
   }
 }
 
+// One element of the fixed-point sum in value's dtype; `flag` is its byte of non-finite flags.
+template <typename scalar_t>
+__device__ __forceinline__ scalar_t fixed_point_value(long long fixed, uint32_t flag, double inv_scale) {
+  double x;
+  if (flag == 0) {
+    x = static_cast<double>(fixed) * inv_scale;
+  } else if ((flag & kNaN) || ((flag & kPosInf) && (flag & kNegInf))) {
+    x = quiet_nan<double>();
+  } else {
+    x = (flag & kPosInf) ? INFINITY : -INFINITY;
+  }
+  return static_cast<scalar_t>(static_cast<acc_type<scalar_t>>(x));
+}
+
+// Four elements a thread, the four of one flags word and of one cell (touched cells need channels %
+// 8 == 0): two 16-byte loads of the sums where the whole group is in range (the buffers come from the
+// allocator, 16-byte aligned). One element a thread was latency-bound, 56.7 us for the fp16 bs 2
+// DETR encoder's 103 MB (H100; perf_notes item 118).
 template <typename scalar_t>
 __global__ void __launch_bounds__(kThreads) fixed_point_finalize_kernel(
     const long long* __restrict__ fixed, const uint32_t* __restrict__ flags, const FixedPointBounds* __restrict__ bounds,
     int64_t contributions_per_element, TouchedCells touched, int64_t numel, scalar_t* __restrict__ out) {
-  const double inv_scale = 1.0 / fixed_point_scale(bounds, contributions_per_element);
+  const double inv_scale = ldexp(1.0, -fixed_point_exponent(bounds, contributions_per_element));
+  const int64_t groups = (numel + 3) / 4;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < numel; i += stride) {
-    if (!touched.has_element(i)) {  // never zeroed: nothing was added there
-      out[i] = static_cast<scalar_t>(0.0f);
+  for (int64_t g = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; g < groups; g += stride) {
+    const int64_t i = 4 * g;
+    const bool whole = i + 4 <= numel;
+    // Never zeroed where untouched: nothing was added there. fp64 is never in touched cells
+    // (touched_cells_unsupported); its kernel skips the test, whose 64-bit division is a call that
+    // spilled around it.
+    if (!std::is_same_v<scalar_t, double> && !touched.has_element(i)) {
+      for (int64_t k = 0; k < 4 && i + k < numel; ++k) out[i + k] = static_cast<scalar_t>(0.0f);
       continue;
     }
-    const uint32_t flag = (flags[i >> 2] >> (8 * (i & 3))) & 0xffu;
-    double x;
-    if (flag == 0) {
-      x = static_cast<double>(fixed[i]) * inv_scale;
-    } else if ((flag & kNaN) || ((flag & kPosInf) && (flag & kNegInf))) {
-      x = quiet_nan<double>();
+    const uint32_t word = flags[g];
+    if (whole) {
+      const longlong2 lo = *reinterpret_cast<const longlong2*>(fixed + i);
+      const longlong2 hi = *reinterpret_cast<const longlong2*>(fixed + i + 2);
+      const long long v[4] = {lo.x, lo.y, hi.x, hi.y};
+      if constexpr (sizeof(scalar_t) <= 4) {
+        Vec<scalar_t, 4> r;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) r.v[k] = fixed_point_value<scalar_t>(v[k], (word >> (8 * k)) & 0xffu, inv_scale);
+        store_vec(out + i, r);
+      } else {  // fp64: no 32-byte store
+#pragma unroll
+        for (int k = 0; k < 4; ++k) out[i + k] = fixed_point_value<scalar_t>(v[k], (word >> (8 * k)) & 0xffu, inv_scale);
+      }
     } else {
-      x = (flag & kPosInf) ? INFINITY : -INFINITY;
+      for (int64_t k = 0; i + k < numel; ++k) {
+        out[i + k] = fixed_point_value<scalar_t>(fixed[i + k], (word >> (8 * k)) & 0xffu, inv_scale);
+      }
     }
-    out[i] = static_cast<scalar_t>(static_cast<acc_type<scalar_t>>(x));
   }
 }
 
@@ -253,10 +333,14 @@ ValueGradient::ValueGradient(const ProblemTensors& problem, const at::Tensor& gr
     : value_(problem.value), deterministic_(deterministic) {
   const auto acc_dtype = problem.value.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   const bool touched = layout == GradValueLayout::kTouchedCells;
-  // Only the touched cells' rows are zeroed (mark_touched_cells); the rest is never read.
+  // Touched cells: only their rows are zeroed (mark_touched_cells); the rest is never read. Dense:
+  // a memset, not at::zeros, which under torch's deterministic mode fills new memory twice
+  // (fill_uninitialized_memory, then the zeros): 25 us for the fp16 bs 2 DETR encoder's int64
+  // sums (H100; perf_notes item 118).
   const auto allocate = [&](at::IntArrayRef sizes, at::ScalarType type) {
-    const auto options = problem.value.options().dtype(type);
-    return touched ? uninitialized(sizes, options) : at::zeros(sizes, options);
+    at::Tensor t = uninitialized(sizes, problem.value.options().dtype(type));
+    if (!touched && t.nbytes() > 0) C10_CUDA_CHECK(cudaMemsetAsync(t.data_ptr(), 0, t.nbytes(), current_stream()));
+    return t;
   };
   const int64_t numel = problem.value.numel();
   if (!deterministic) {
@@ -264,7 +348,8 @@ ValueGradient::ValueGradient(const ProblemTensors& problem, const at::Tensor& gr
   } else {
     buffer_ = allocate(problem.value.sizes(), at::kLong);
     flags_ = allocate({(numel + 3) / 4}, at::kInt);
-    bounds_ = at::zeros({2}, problem.value.options().dtype(at::kInt));
+    bounds_ = uninitialized({2}, problem.value.options().dtype(at::kInt));
+    C10_CUDA_CHECK(cudaMemsetAsync(bounds_.data_ptr(), 0, bounds_.nbytes(), current_stream()));
     contributions_per_element_ = problem.queries * problem.points;
   }
   if (touched) mark_touched_cells(problem);
@@ -319,7 +404,7 @@ at::Tensor ValueGradient::finish() {
   const auto stream = current_stream();
   MMDEFORM_TMA_DISPATCH_VALUE_TYPES(value_.scalar_type(), "value gradient", [&] {
     if (deterministic_) {
-      fixed_point_finalize_kernel<scalar_t><<<grid_for(numel), kThreads, 0, stream>>>(
+      fixed_point_finalize_kernel<scalar_t><<<grid_for((numel + 3) / 4), kThreads, 0, stream>>>(
           reinterpret_cast<const long long*>(buffer_.data_ptr<int64_t>()),
           reinterpret_cast<const uint32_t*>(flags_.data_ptr<int32_t>()),
           reinterpret_cast<const FixedPointBounds*>(bounds_.data_ptr<int32_t>()), contributions_per_element_, touched,

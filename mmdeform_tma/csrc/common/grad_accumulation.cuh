@@ -7,9 +7,11 @@
 //
 // Fixed point: a destination element receives at most queries x points contributions (a point's
 // four corners are distinct keys), each at most max|attention| x max|grad_output| in magnitude.
-// Scaling by 2^62 / (queries x points x max|a| x max|g|) therefore cannot overflow int64, and the
-// quantum is that bound times 2^-62. Non-finite contributions set per-element flags instead, which
-// the finalize step turns back into NaN / +Inf / -Inf exactly as IEEE addition would.
+// Scaling by 2^e, the largest power of two with (queries x points x max|a| x max|g|) x 2^e <= 2^62,
+// therefore cannot overflow int64, and the quantum is 2^-e, at most that bound times 2^-61. A
+// power of two makes the scaling exact in the value's own precision, so the one rounding is to the
+// integer. Non-finite contributions set per-element flags instead, which the finalize step turns
+// back into NaN / +Inf / -Inf exactly as IEEE addition would.
 //
 // The deterministic backward of sparse problems takes neither sink: it sorts its contributions by
 // cell instead (sorted_value_gradient.h).
@@ -94,11 +96,15 @@ struct FixedPointBounds {
   unsigned int max_abs_grad_bits;
 };
 
-__device__ __forceinline__ double fixed_point_scale(const FixedPointBounds* bounds, int64_t contributions_per_element) {
+// The exponent e of the fixed-point scale 2^e (see the top of this file); 0 when nothing can be added.
+__device__ __forceinline__ int fixed_point_exponent(const FixedPointBounds* bounds, int64_t contributions_per_element) {
   const double a = static_cast<double>(__uint_as_float(bounds->max_abs_weight_bits));
   const double g = static_cast<double>(__uint_as_float(bounds->max_abs_grad_bits));
   const double bound = static_cast<double>(contributions_per_element > 0 ? contributions_per_element : 1) * a * g;
-  return bound > 0.0 ? 4611686018427387904.0 / bound : 1.0;  // 2^62 / bound
+  if (!(bound > 0.0)) return 0;
+  int k;
+  frexp(bound, &k);  // bound = m x 2^k, 0.5 <= m < 1: bound x 2^(62 - k) < 2^62
+  return 62 - k;
 }
 
 template <typename acc_t>
@@ -107,20 +113,41 @@ struct FixedPointSink {
   uint32_t* __restrict__ nonfinite;       // 8 flag bits per element, four elements per word
   const FixedPointBounds* __restrict__ bounds;
   int64_t contributions_per_element;
-  double scale;
+  // 2^e as two factors, each a normal number of acc_t, so that x scale_a x scale_b is exact in
+  // acc_t: fp32 sums convert with one multiply pair and F2I, no fp64 (perf_notes, item 118).
+  // float's exponent range holds every e from finite fp32 bounds down to bound = 2^-192.
+  acc_t scale_a, scale_b;
 
-  __device__ __forceinline__ void prepare() { scale = fixed_point_scale(bounds, contributions_per_element); }
+  __device__ __forceinline__ void prepare() {
+    const int e = fixed_point_exponent(bounds, contributions_per_element);
+    constexpr int kMaxExponent = std::is_same_v<acc_t, double> ? 1023 : 127;
+    const int ea = max(-kMaxExponent + 1, min(kMaxExponent, e));
+    const int eb = max(-kMaxExponent + 1, min(kMaxExponent, e - ea));
+    scale_a = static_cast<acc_t>(ldexp(1.0, ea));
+    scale_b = static_cast<acc_t>(ldexp(1.0, eb));
+  }
 
-  // |v x scale| below this converts to int64 (the bounds put every finite float value below it).
-  static constexpr double kRepresentable = 9.0e18;
+  // |v x 2^e| below this converts to int64 (the bounds put every finite sum at or below 2^62).
+  static constexpr acc_t kRepresentable = static_cast<acc_t>(9.0e18);
 
-  // v in fixed point for element e; a value that has none (NaN, +-Inf, and fp64 values beyond the
-  // float range of the bounds) sets e's flag instead and adds 0.
+  __device__ __forceinline__ acc_t scaled(acc_t v) const { return v * scale_a * scale_b; }
+
+  // x = scaled(v) rounded to the nearest integer; representable(x) must hold.
+  static __device__ __forceinline__ unsigned long long round_to_fixed(acc_t x) {
+    if constexpr (std::is_same_v<acc_t, double>) {
+      return static_cast<unsigned long long>(__double2ll_rn(x));
+    } else {
+      return static_cast<unsigned long long>(__float2ll_rn(x));
+    }
+  }
+  static __device__ __forceinline__ bool representable(acc_t x) { return fabs(x) < kRepresentable; }  // false for NaN
+
+  // v in fixed point for element e; a value that has none (NaN, +-Inf, and values beyond the
+  // bounds' range) sets e's flag instead and adds 0.
   __device__ __forceinline__ unsigned long long to_fixed(acc_t v, int64_t e) const {
-    const double x = static_cast<double>(v);
-    const double q = x * scale;
-    if (fabs(q) < kRepresentable) return static_cast<unsigned long long>(__double2ll_rn(q));  // false for NaN
-    const uint32_t flag = isnan(x) ? kNaN : (x > 0 ? kPosInf : kNegInf);
+    const acc_t x = scaled(v);
+    if (representable(x)) return round_to_fixed(x);
+    const uint32_t flag = isnan(v) ? kNaN : (v > 0 ? kPosInf : kNegInf);
     atomicOr(nonfinite + (e >> 2), flag << (8 * (e & 3)));
     return 0ull;
   }
@@ -215,7 +242,8 @@ class ValueGradient {
         reinterpret_cast<uint32_t*>(flags_.data_ptr<int32_t>()),
         reinterpret_cast<const FixedPointBounds*>(bounds_.data_ptr<int32_t>()),
         contributions_per_element_,
-        0.0};
+        0,
+        0};
   }
   bool deterministic() const { return deterministic_; }
 

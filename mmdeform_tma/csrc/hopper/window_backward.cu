@@ -535,18 +535,19 @@ __device__ __forceinline__ void flush_fixed_point_row(const Sink& sink, const fl
     undo_operand_scales<kScaled, kRowScaled>(v, inverse_scale, row_unscale);
     const int channel = 8 * j + 4 * pair;
     // One warp vote per four values instead of a divergent branch around each conversion: only
-    // a warp holding a value without fixed point (NaN, +-Inf) takes to_fixed's flag path.
-    double x[4];
+    // a warp holding a value without fixed point (NaN, +-Inf) takes to_fixed's flag path. The
+    // scale is a power of two, so the fp32 products are exact and F2I rounds once.
+    float x[4];
     bool representable = true;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      x[i] = static_cast<double>(v[i]) * sink.scale;
-      representable = representable && fabs(x[i]) < Sink::kRepresentable;  // false for NaN
+      x[i] = sink.scaled(v[i]);
+      representable = representable && Sink::representable(x[i]);
     }
     unsigned long long q[4];
     if (__all_sync(0xffffffffu, representable)) {
 #pragma unroll
-      for (int i = 0; i < 4; ++i) q[i] = static_cast<unsigned long long>(__double2ll_rn(x[i]));
+      for (int i = 0; i < 4; ++i) q[i] = Sink::round_to_fixed(x[i]);
     } else {
 #pragma unroll
       for (int i = 0; i < 4; ++i) q[i] = sink.to_fixed(v[i], element + channel + i);
