@@ -514,70 +514,95 @@ __device__ __forceinline__ void reduce_mma_tile(const Sink& sink, const float (&
 // sums of the fast kernels stay with vector reductions: there the same flush was slower (perf_notes,
 // session 24). `key` is the row's first cell, `row_index` its element of channel 0. kRowScaled
 // (fp32): the sums also undo the tile's row scale (undo_operand_scales).
-template <bool kScaled, typename Sink, bool kRowScaled = false>
+// The lanes stage the sums where the MMA left them: lane (g, t) holds channels 8j + 2t, 8j + 2t + 1
+// of cells g (d[j][0..1]) and g + 8 (d[j][2..3]), one 16-byte chunk of a box row each, so no lane
+// pairs swap halves. kHalves (the 4-CTA kernels, whose shared memory holds 2 KB a warp): the buffer
+// holds cells 0-7, and cells 8-15 follow once the TMA has read them.
+template <bool kScaled, typename Sink, bool kRowScaled = false, bool kHalves = false>
 __device__ __forceinline__ void flush_fixed_point_row(const Sink& sink, const float (&d)[4][4], uint32_t staging,
                                                       const CUtensorMap* map, int column, int key, int64_t row_index,
                                                       int64_t key_stride, float inverse_scale, float row_unscale = 1.0f) {
   constexpr int kBoxChannels = kSwizzleRowBytes / 8;  // int64 per 128-byte box row
   constexpr int kBoxesPerHalf = 32 / kBoxChannels;
   constexpr int kBoxBytes = 8 * kSwizzleRowBytes;
-  const int lane = threadIdx.x & 31, g = lane >> 2, half = lane & 1, pair = (lane & 3) >> 1;
-  if (lane == 0) bulk_wait_group_read_all();  // the previous row's boxes have left the buffer
-  __syncwarp();
-  const int64_t element = row_index + (g + 8 * half) * key_stride;  // this lane's cell, channel 0
-  bool nonzero = false;
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  // The boxes of cells 8h..8h + 7 (from `from`), if one of them was touched.
+  const auto issue = [&](int h, uint32_t from, bool live) {
+    fence_proxy_async_shared();  // this lane's stores before the TMA's reads
+    __syncwarp();
+    if (lane == 0) {
+      if (live) {
 #pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    // lane pairs swap halves, as in reduce_mma_tile: v is channels 8j + 4 pair.. of cell g + 8 half
-    const float give0 = half ? d[j][0] : d[j][2], give1 = half ? d[j][1] : d[j][3];
-    const float got0 = __shfl_xor_sync(0xffffffffu, give0, 1), got1 = __shfl_xor_sync(0xffffffffu, give1, 1);
-    float v[4] = {half ? got0 : d[j][0], half ? got1 : d[j][1], half ? d[j][2] : got0, half ? d[j][3] : got1};
-    undo_operand_scales<kScaled, kRowScaled>(v, inverse_scale, row_unscale);
-    const int channel = 8 * j + 4 * pair;
-    // One warp vote per four values instead of a divergent branch around each conversion: only
-    // a warp holding a value without fixed point (NaN, +-Inf) takes to_fixed's flag path. The
-    // scale is a power of two, so the fp32 products are exact and F2I rounds once.
-    float x[4];
+        for (int b = 0; b < kBoxesPerHalf; ++b) {
+          tma_reduce_add_2d(map, from + static_cast<uint32_t>(b * kBoxBytes), column + b * kBoxChannels, key + 8 * h);
+        }
+      }
+      bulk_commit_group();
+    }
+  };
+  bool live[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {  // cells g (h = 0) and g + 8
+    if (kHalves || h == 0) {
+      if (lane == 0) bulk_wait_group_read_all();  // the buffer's earlier boxes have left it
+      __syncwarp();
+    }
+    const uint32_t half = staging + static_cast<uint32_t>((kHalves ? 0 : h) * kBoxesPerHalf * kBoxBytes);
+    const int64_t element = row_index + (g + 8 * h) * key_stride + 2 * t;  // this lane's cell, channel 2t
+    float v[8];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      float pair[4] = {d[j][2 * h], d[j][2 * h + 1], 0.0f, 0.0f};
+      undo_operand_scales<kScaled, kRowScaled>(pair, inverse_scale, row_unscale);
+      v[2 * j] = pair[0];
+      v[2 * j + 1] = pair[1];
+    }
+    // One warp vote per eight values instead of a divergent branch around each conversion: only a
+    // warp holding a value without fixed point (NaN, +-Inf) takes to_fixed's flag path. The scale
+    // is a power of two, so the fp32 products are exact and F2I rounds once.
+    float x[8];
     bool representable = true;
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
+    for (int i = 0; i < 8; ++i) {
       x[i] = sink.scaled(v[i]);
       representable = representable && Sink::representable(x[i]);
     }
-    unsigned long long q[4];
+    unsigned long long q[8];
     if (__all_sync(0xffffffffu, representable)) {
 #pragma unroll
-      for (int i = 0; i < 4; ++i) q[i] = Sink::round_to_fixed(x[i]);
+      for (int i = 0; i < 8; ++i) q[i] = Sink::round_to_fixed(x[i]);
     } else {
 #pragma unroll
-      for (int i = 0; i < 4; ++i) q[i] = sink.to_fixed(v[i], element + channel + i);
+      for (int i = 0; i < 8; ++i) q[i] = sink.to_fixed(v[i], element + 8 * (i >> 1) + (i & 1));
     }
-    // 16-byte chunks of two int64 in the box row, at chunk ^ (row mod 8): the 128-byte swizzle
-    const int chunk = (channel % kBoxChannels) / 2;
-    const uint32_t row = staging + static_cast<uint32_t>((half * kBoxesPerHalf + channel / kBoxChannels) * kBoxBytes +
-                                                         g * kSwizzleRowBytes);
-    st_shared_v4(row + static_cast<uint32_t>((chunk ^ g) << 4),
-                 make_uint4(static_cast<uint32_t>(q[0]), static_cast<uint32_t>(q[0] >> 32), static_cast<uint32_t>(q[1]),
-                            static_cast<uint32_t>(q[1] >> 32)));
-    st_shared_v4(row + static_cast<uint32_t>(((chunk + 1) ^ g) << 4),
-                 make_uint4(static_cast<uint32_t>(q[2]), static_cast<uint32_t>(q[2] >> 32), static_cast<uint32_t>(q[3]),
-                            static_cast<uint32_t>(q[3] >> 32)));
-    nonzero = nonzero || (q[0] | q[1] | q[2] | q[3]) != 0ull;
+    bool nonzero = false;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      // channels 8j + 2t, + 1: box j / 2, chunk 4 (j % 2) + t of box row g, at chunk ^ g (the 128-byte swizzle)
+      const int chunk = 4 * (j & 1) + t;
+      st_shared_v4(half + static_cast<uint32_t>((j >> 1) * kBoxBytes + g * kSwizzleRowBytes + ((chunk ^ g) << 4)),
+                   make_uint4(static_cast<uint32_t>(q[2 * j]), static_cast<uint32_t>(q[2 * j] >> 32),
+                              static_cast<uint32_t>(q[2 * j + 1]), static_cast<uint32_t>(q[2 * j + 1] >> 32)));
+      nonzero = nonzero || (q[2 * j] | q[2 * j + 1]) != 0ull;
+    }
+    live[h] = __any_sync(0xffffffffu, nonzero);  // a touched cell among these 8
+    if constexpr (kHalves) issue(h, half, live[h]);
   }
-  const unsigned live = __ballot_sync(0xffffffffu, nonzero);
-  fence_proxy_async_shared();  // this lane's stores before the TMA's reads
-  __syncwarp();
-  if (lane == 0) {
+  if constexpr (!kHalves) {
+    fence_proxy_async_shared();  // this lane's stores before the TMA's reads
+    __syncwarp();
+    if (lane == 0) {
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      if ((live & (h ? 0xAAAAAAAAu : 0x55555555u)) == 0u) continue;  // no touched cell in these 8
+      for (int h = 0; h < 2; ++h) {
+        if (!live[h]) continue;
 #pragma unroll
-      for (int b = 0; b < kBoxesPerHalf; ++b) {
-        tma_reduce_add_2d(map, staging + static_cast<uint32_t>((h * kBoxesPerHalf + b) * kBoxBytes),
-                          column + b * kBoxChannels, key + 8 * h);
+        for (int b = 0; b < kBoxesPerHalf; ++b) {
+          tma_reduce_add_2d(map, staging + static_cast<uint32_t>((h * kBoxesPerHalf + b) * kBoxBytes),
+                            column + b * kBoxChannels, key + 8 * h);
+        }
       }
+      bulk_commit_group();
     }
-    bulk_commit_group();
   }
 }
 
@@ -591,7 +616,7 @@ __device__ __forceinline__ void flush_fixed_point_row(const Sink& sink, const fl
 // once per stage and keeps them across its m-tiles. ldmatrix was a third of the fp16 encoder
 // backward's shared-memory wavefronts, and the LSU data pipe its busiest unit at 71 % (ncu); k-step
 // 1's fragments too spilled at 4 CTAs per SM (perf_notes.md, items 114 and 116).
-template <typename scalar_t, int kGroups, bool kTmaFlush, typename Sink, bool kRows32 = false>
+template <typename scalar_t, int kGroups, bool kTmaFlush, typename Sink, bool kRows32 = false, bool kHalfFlush = false>
 __device__ __forceinline__ void reduce_window_mma(uint32_t smem_base, const LaunchShape& s, const StageWindow& w,
                                                   const Sink& sink, int64_t key_stride, int64_t head_column,
                                                   int channels, float inverse_scale, const CUtensorMap* flush_map,
@@ -669,7 +694,7 @@ __device__ __forceinline__ void reduce_window_mma(uint32_t smem_base, const Laun
       constexpr bool kScaled = std::is_same_v<mma_t, __half>;
       if constexpr (kTmaFlush) {
         const int row_key = w.key0 + tile * w.width;  // a window row is 16 consecutive keys
-        flush_fixed_point_row<kScaled, Sink, kHiLoRows>(
+        flush_fixed_point_row<kScaled, Sink, kHiLoRows, kHalfFlush>(
             sink, d, smem_base + static_cast<uint32_t>(s.flush_offset + warp * s.flush_bytes), flush_map,
             static_cast<int>(head_column), row_key, row_key * key_stride + head_column, key_stride, inverse_scale,
             row_unscale);  // one pass: c0 + 32 >= channels
@@ -728,6 +753,8 @@ __global__ void __launch_bounds__(kMaxThreads, kCtasPerSm)
   constexpr bool kMmaDots = kRows32 && sizeof(scalar_t) == 2;
   // The deterministic 32-channel MMA kernels flush window rows through the TMA (flush_fixed_point_row).
   constexpr bool kTmaFlush = kRows32 && !std::is_same_v<Sink, AtomicSink<float>>;
+  // At 4 CTAs per SM a warp's flush buffer holds half a window row (LaunchShape::flush_bytes).
+  constexpr bool kHalfFlush = kTmaFlush && kCtasPerSm == 4;
   // The fast MMA kernels of 32-channel rows leave a CTA's tiles to the spread fallback where its
   // sampling spreads (LaunchShape::spread_role): their teams of four reduce a direct corner as two
   // half lines, 40 % more L1 wavefronts than whole lines, and uniformly sampled encoders ran 10-14 %
@@ -757,7 +784,8 @@ __global__ void __launch_bounds__(kMaxThreads, kCtasPerSm)
   const int groups = tile_groups(p, s);
   const int num_tiles = tile_count(p, groups);
   if constexpr (kTmaFlush) {  // the swizzled flush boxes need their 1024-byte alignment; the host gives their room
-    if ((smem_address(dynamic_smem) & 1023u) != 0u || s.flush_bytes == 0) __trap();
+    constexpr int kFlushBytes = (kHalfFlush ? kMmaWindowSide / 2 : kMmaWindowSide) * 32 * 8;
+    if ((smem_address(dynamic_smem) & 1023u) != 0u || s.flush_bytes != kFlushBytes) __trap();
   }
   if constexpr (kMma) {  // A starts zero; init_ring's barrier orders this before any use
     for (int i = threadIdx.x * 16; i < 2 * s.a_bytes; i += blockDim.x * 16) {
@@ -1039,7 +1067,8 @@ __global__ void __launch_bounds__(kMaxThreads, kCtasPerSm)
         consumer_barrier(s.consumer_warps * 32);  // A and the staged rows are complete
         mbarrier_arrive(ring.empty(at.stage));
         // fp32's MMA kernels take 32-channel rows only (mma_built), whatever their kRows32
-        reduce_window_mma<scalar_t, (kCtasPerSm < 4 || kMmaDots) ? 2 : 1, kTmaFlush, Sink, kRows32 || kHiLoRows>(
+        reduce_window_mma<scalar_t, (kCtasPerSm < 4 || kMmaDots) ? 2 : 1, kTmaFlush, Sink, kRows32 || kHiLoRows,
+                          kHalfFlush>(
             smem_base, s, w, sink, key_stride, static_cast<int64_t>(t.head) * p.channels, p.channels, s.inverse_weight_scale,
             &flush_map, row_scale.unscale);
         consumer_barrier(s.consumer_warps * 32);  // every warp has read and zeroed its blocks of A
@@ -1186,8 +1215,11 @@ Gradients backward(const ProblemTensors& problem, const at::Tensor& grad_output,
               constexpr bool kRows32 = kHalfRows ? decltype(flag)::value : kFixedPoint;
               constexpr int kMinCtas = min_blocks_per_multiprocessor<scalar_t>();
               constexpr int kMmaChunkBytes = mma_chunk_bytes(sizeof(scalar_t));
-              // fixed point, and fp32's 32-byte lanes, spill at 96 registers
-              if constexpr (kHalfRows && !kFixedPoint) {
+              // At 96 registers fp32's 32-byte lanes spill, and so does bf16's fixed-point kernel of
+              // 32-channel rows; fp16's stages half rows there (LaunchShape::flush_bytes).
+              constexpr bool kFourCtas =
+                  kHalfRows && !(kFixedPoint && kRows32 && std::is_same_v<scalar_t, __nv_bfloat16>);
+              if constexpr (kFourCtas) {
                 if (s.ctas_per_sm == 4) {
                   launch_mma(backward_kernel<scalar_t, kMmaChunkBytes, Sink, Aggregation::kMma, 4, kRows32>);
                   return;

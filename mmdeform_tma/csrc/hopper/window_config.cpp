@@ -139,11 +139,15 @@ LaunchShape shape_for(const ProblemTensors& problem, const Config& config, int c
   s.inverse_weight_scale = 1.0f / s.weight_scale;
   s.total_bytes = s.barrier_offset + round128(2 * s.stages * 8) + 128;  // + alignment slack
   // A window row (kMmaWindowSide cells) of every channel per consumer warp, after the barriers (the
-  // slack is then not needed: the kernels check the base's alignment).
+  // slack is then not needed: the kernels check the base's alignment). The fp16 kernel at 4 CTAs
+  // per SM stages half a row at a time: a whole one would leave room for 3 CTAs (65,536 bytes at 32
+  // slots; 57,344 fit four). bf16's spills at 4 CTAs, and its `_o4` configs run the 3-CTA kernel.
   s.flush_offset = s.flush_bytes = 0;
   if (s.mma && problem.channels == 32 && flush_element_bytes > 0) {
+    const bool halves = problem.value.scalar_type() == at::kHalf && config.ctas_per_sm == 4;
+    const int cells = halves ? kMmaWindowSide / 2 : kMmaWindowSide;
     s.flush_offset = (s.barrier_offset + round128(2 * s.stages * 8) + 1023) / 1024 * 1024;
-    s.flush_bytes = kMmaWindowSide * static_cast<int>(problem.channels) * flush_element_bytes;
+    s.flush_bytes = cells * static_cast<int>(problem.channels) * flush_element_bytes;
     s.total_bytes = s.flush_offset + s.consumer_warps * s.flush_bytes;
   }
   return s;
