@@ -528,14 +528,13 @@ __device__ __forceinline__ void flush_fixed_point_row(const Sink& sink, const fl
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   // The boxes of cells 8h..8h + 7 (from `from`), if one of them was touched.
   const auto issue = [&](int h, uint32_t from, bool live) {
+    if (!live) return;  // warp-uniform: nothing was staged
     fence_proxy_async_shared();  // this lane's stores before the TMA's reads
     __syncwarp();
     if (lane == 0) {
-      if (live) {
 #pragma unroll
-        for (int b = 0; b < kBoxesPerHalf; ++b) {
-          tma_reduce_add_2d(map, from + static_cast<uint32_t>(b * kBoxBytes), column + b * kBoxChannels, key + 8 * h);
-        }
+      for (int b = 0; b < kBoxesPerHalf; ++b) {
+        tma_reduce_add_2d(map, from + static_cast<uint32_t>(b * kBoxBytes), column + b * kBoxChannels, key + 8 * h);
       }
       bulk_commit_group();
     }
@@ -543,10 +542,6 @@ __device__ __forceinline__ void flush_fixed_point_row(const Sink& sink, const fl
   bool live[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {  // cells g (h = 0) and g + 8
-    if (kHalves || h == 0) {
-      if (lane == 0) bulk_wait_group_read_all();  // the buffer's earlier boxes have left it
-      __syncwarp();
-    }
     const uint32_t half = staging + static_cast<uint32_t>((kHalves ? 0 : h) * kBoxesPerHalf * kBoxBytes);
     const int64_t element = row_index + (g + 8 * h) * key_stride + 2 * t;  // this lane's cell, channel 2t
     float v[8];
@@ -577,18 +572,28 @@ __device__ __forceinline__ void flush_fixed_point_row(const Sink& sink, const fl
     }
     bool nonzero = false;
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      // channels 8j + 2t, + 1: box j / 2, chunk 4 (j % 2) + t of box row g, at chunk ^ g (the 128-byte swizzle)
-      const int chunk = 4 * (j & 1) + t;
-      st_shared_v4(half + static_cast<uint32_t>((j >> 1) * kBoxBytes + g * kSwizzleRowBytes + ((chunk ^ g) << 4)),
-                   make_uint4(static_cast<uint32_t>(q[2 * j]), static_cast<uint32_t>(q[2 * j] >> 32),
-                              static_cast<uint32_t>(q[2 * j + 1]), static_cast<uint32_t>(q[2 * j + 1] >> 32)));
-      nonzero = nonzero || (q[2 * j] | q[2 * j + 1]) != 0ull;
+    for (int i = 0; i < 8; ++i) nonzero = nonzero || q[i] != 0ull;
+    live[h] = __any_sync(0xffffffffu, nonzero);  // a touched cell among these 8: an untouched half is not staged
+    // The buffer's earlier boxes must have left it; converted first, so that their reads overlap
+    // the conversions.
+    if (kHalves || h == 0) {
+      if (lane == 0) bulk_wait_group_read_all();
+      __syncwarp();
     }
-    live[h] = __any_sync(0xffffffffu, nonzero);  // a touched cell among these 8
+    if (live[h]) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        // channels 8j + 2t, + 1: box j / 2, chunk 4 (j % 2) + t of box row g, at chunk ^ g (the 128-byte swizzle)
+        const int chunk = 4 * (j & 1) + t;
+        st_shared_v4(half + static_cast<uint32_t>((j >> 1) * kBoxBytes + g * kSwizzleRowBytes + ((chunk ^ g) << 4)),
+                     make_uint4(static_cast<uint32_t>(q[2 * j]), static_cast<uint32_t>(q[2 * j] >> 32),
+                                static_cast<uint32_t>(q[2 * j + 1]), static_cast<uint32_t>(q[2 * j + 1] >> 32)));
+      }
+    }
     if constexpr (kHalves) issue(h, half, live[h]);
   }
   if constexpr (!kHalves) {
+    if (!live[0] && !live[1]) return;
     fence_proxy_async_shared();  // this lane's stores before the TMA's reads
     __syncwarp();
     if (lane == 0) {
