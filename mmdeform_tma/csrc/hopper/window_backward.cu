@@ -728,8 +728,9 @@ __device__ __forceinline__ void reduce_window_mma(uint32_t smem_base, const Laun
 
 #endif  // MMDEFORM_TMA_HOPPER_DEVICE
 
-// The kernels built at 4 CTAs per SM (`_o4` configs): those ptxas fits in 96 registers without
-// spills. The fp16 16-byte-lane and fixed-point ones spill there and keep 3.
+// The plain kernels built at 4 CTAs per SM (`_o4` configs): those ptxas fits in 96 registers
+// without spills. The fp16 16-byte-lane and fixed-point ones spill there and keep 3. (The MMA
+// kernels' rule is at their launch, in backward().)
 template <typename scalar_t, int kChunkBytes, typename Sink>
 constexpr bool four_ctas_built() {
   return std::is_same_v<Sink, AtomicSink<float>> && (sizeof(scalar_t) == 4 || kChunkBytes == 8);
