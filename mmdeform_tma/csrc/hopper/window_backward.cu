@@ -547,7 +547,7 @@ __device__ __forceinline__ void flush_fixed_point_row(const Sink& sink, const fl
     float v[8];
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      float pair[4] = {d[j][2 * h], d[j][2 * h + 1], 0.0f, 0.0f};
+      float pair[4] = {d[j][2 * h], d[j][2 * h + 1], 0.0f, 0.0f};  // undo_operand_scales takes four
       undo_operand_scales<kScaled, kRowScaled>(pair, inverse_scale, row_unscale);
       v[2 * j] = pair[0];
       v[2 * j + 1] = pair[1];
