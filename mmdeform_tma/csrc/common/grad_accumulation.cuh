@@ -142,20 +142,45 @@ struct FixedPointSink {
   }
   static __device__ __forceinline__ bool representable(acc_t x) { return fabs(x) < kRepresentable; }  // false for NaN
 
-  // v in fixed point for element e; a value that has none (NaN, +-Inf, and values beyond the
-  // bounds' range) sets e's flag instead and adds 0.
-  __device__ __forceinline__ unsigned long long to_fixed(acc_t v, int64_t e) const {
-    const acc_t x = scaled(v);
-    if (representable(x)) return round_to_fixed(x);
+  // x = scaled(v) for element e, made representable: a value that has no fixed point (NaN, +-Inf,
+  // and values beyond the bounds' range) sets e's flag instead and adds 0.
+  __device__ __forceinline__ void keep_representable(acc_t& x, acc_t v, int64_t e) const {
+    if (representable(x)) return;
     const uint32_t flag = isnan(v) ? kNaN : (v > 0 ? kPosInf : kNegInf);
     atomicOr(nonfinite + (e >> 2), flag << (8 * (e & 3)));
-    return 0ull;
+    x = acc_t(0);
   }
 
+  // Whether every x[i] of N converts, in one test: the sum of |x| propagates NaN and Inf, and a
+  // tree of additions is not the chain of dependent predicates that N tests made. A sum past the
+  // limit only sends the values through keep_representable, which then tests each.
+  template <int N>
+  static __device__ __forceinline__ bool all_representable(const acc_t (&x)[N]) {
+    acc_t sum[N];
+#pragma unroll
+    for (int i = 0; i < N; ++i) sum[i] = fabs(x[i]);
+#pragma unroll
+    for (int width = 1; width < N; width *= 2) {
+#pragma unroll
+      for (int i = 0; i + width < N; i += 2 * width) sum[i] += sum[i + width];
+    }
+    return representable(sum[0]);
+  }
+
+  // One test for all N values and one run of conversions and atomics for both outcomes: a test and
+  // branch around each conversion made the MMA kernels' direct path (4 corners x 2 adds a point)
+  // long enough to add instruction-cache misses to the whole kernel (perf_notes, item 123).
   template <int N>
   __device__ __forceinline__ void add(int64_t index, const acc_t (&v)[N]) const {
+    acc_t x[N];
 #pragma unroll
-    for (int i = 0; i < N; ++i) atomicAdd(grad + index + i, to_fixed(v[i], index + i));
+    for (int i = 0; i < N; ++i) x[i] = scaled(v[i]);
+    if (!all_representable(x)) {
+#pragma unroll
+      for (int i = 0; i < N; ++i) keep_representable(x[i], v[i], index + i);
+    }
+#pragma unroll
+    for (int i = 0; i < N; ++i) atomicAdd(grad + index + i, round_to_fixed(x[i]));
   }
 };
 

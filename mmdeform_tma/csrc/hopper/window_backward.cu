@@ -552,24 +552,19 @@ __device__ __forceinline__ void flush_fixed_point_row(const Sink& sink, const fl
       v[2 * j] = pair[0];
       v[2 * j + 1] = pair[1];
     }
-    // One warp vote per eight values instead of a divergent branch around each conversion: only a
-    // warp holding a value without fixed point (NaN, +-Inf) takes to_fixed's flag path. The scale
-    // is a power of two, so the fp32 products are exact and F2I rounds once.
+    // One test per eight values instead of a branch around each conversion: only a lane holding a
+    // value without fixed point (NaN, +-Inf) takes the flag path, and both share the conversions.
+    // The scale is a power of two, so the fp32 products are exact and F2I rounds once.
     float x[8];
-    bool representable = true;
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      x[i] = sink.scaled(v[i]);
-      representable = representable && Sink::representable(x[i]);
+    for (int i = 0; i < 8; ++i) x[i] = sink.scaled(v[i]);
+    if (!Sink::all_representable(x)) {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) sink.keep_representable(x[i], v[i], element + 8 * (i >> 1) + (i & 1));
     }
     unsigned long long q[8];
-    if (__all_sync(0xffffffffu, representable)) {
 #pragma unroll
-      for (int i = 0; i < 8; ++i) q[i] = Sink::round_to_fixed(x[i]);
-    } else {
-#pragma unroll
-      for (int i = 0; i < 8; ++i) q[i] = sink.to_fixed(v[i], element + 8 * (i >> 1) + (i & 1));
-    }
+    for (int i = 0; i < 8; ++i) q[i] = Sink::round_to_fixed(x[i]);
     bool nonzero = false;
 #pragma unroll
     for (int i = 0; i < 8; ++i) nonzero = nonzero || q[i] != 0ull;
