@@ -373,7 +373,7 @@ ValueGradient::ValueGradient(const ProblemTensors& problem, const at::Tensor& gr
   if (touched) mark_touched_cells(problem);
   if (!deterministic) return;
   const auto stream = current_stream();
-  MMDEFORM_TMA_DISPATCH_VALUE_TYPES(problem.value.scalar_type(), "fixed-point bounds", [&] {
+  MMDEFORM_TMA_DISPATCH_VALUE_TYPES(problem.value.scalar_type(), "fixed-point set-up", [&] {
     using coord_t = coord_type<scalar_t>;
     const int64_t sum_words = touched ? 0 : buffer_.nbytes() / 4, flag_words = touched ? 0 : flags_.numel();
     const int64_t n = std::max({problem.attention_weights.numel(), grad_output.numel(), sum_words / 4});
