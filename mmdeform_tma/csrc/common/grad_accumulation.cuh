@@ -132,6 +132,20 @@ struct FixedPointSink {
 
   __device__ __forceinline__ acc_t scaled(acc_t v) const { return v * scale_a * scale_b; }
 
+  // scaled(v x 2^k) as (v x a) x b, for sums that still carry an operand scale 2^-k: one multiply
+  // instead of one per scale. As in prepare(), a takes as much of the exponent as a normal number
+  // holds, so each product is exact wherever the result can round to a nonzero integer.
+  struct Factors {
+    acc_t a, b;
+  };
+  __device__ __forceinline__ Factors factors_with_pow2(int k) const {
+    constexpr int kMaxExponent = std::is_same_v<acc_t, double> ? 1023 : 127;
+    const int e = ilogb(scale_a) + ilogb(scale_b) + k;  // both are powers of two
+    const int ea = max(-kMaxExponent + 1, min(kMaxExponent, e));
+    const int eb = max(-kMaxExponent + 1, min(kMaxExponent, e - ea));
+    return Factors{ldexp(acc_t(1), ea), ldexp(acc_t(1), eb)};
+  }
+
   // x = scaled(v) rounded to the nearest integer; representable(x) must hold.
   static __device__ __forceinline__ unsigned long long round_to_fixed(acc_t x) {
     if constexpr (std::is_same_v<acc_t, double>) {

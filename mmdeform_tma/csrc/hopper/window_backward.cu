@@ -512,23 +512,26 @@ __device__ __forceinline__ void reduce_mma_tile(const Sink& sink, const float (&
 // the TMA add each box that holds a touched cell. Four bulk operations per row replace the lanes'
 // 16 scalar 64-bit atomics each (integer addition keeps the result bitwise reproducible). The fp32
 // sums of the fast kernels stay with vector reductions: there the same flush was slower (perf_notes,
-// session 24). `key` is the row's first cell, `row_index` its element of channel 0. kRowScaled
-// (fp32): the sums also undo the tile's row scale (undo_operand_scales).
+// session 24). `key` is the row's first cell, `row_index` its element of channel 0. `f`: the sink's
+// scale with the operand scales the sums still carry (the weight scale, fp32's row scale) folded in
+// (FixedPointSink::factors_with_pow2): two multiplies a value where there were three (four in fp32).
+// Skipping the second where it is 1 (almost always) spilled fp16's 4-CTA kernel.
 // The lanes stage the sums where the MMA left them: lane (g, t) holds channels 8j + 2t, 8j + 2t + 1
 // of cells g (d[j][0..1]) and g + 8 (d[j][2..3]), one 16-byte chunk of a box row each, so no lane
 // pairs swap halves. kHalves (the 4-CTA kernels, whose shared memory holds 2 KB a warp): the buffer
 // holds cells 0-7, and cells 8-15 follow once the TMA has read them.
-template <bool kScaled, typename Sink, bool kRowScaled = false, bool kHalves = false>
+// A half (8 cells) with no nonzero sum is neither converted nor staged: the MMA leaves exact zeros
+// in the cells no point touched, which are about a fifth of a window's halves.
+template <typename Sink, bool kHalves = false>
 __device__ __forceinline__ void flush_fixed_point_row(const Sink& sink, const float (&d)[4][4], uint32_t staging,
                                                       const CUtensorMap* map, int column, int key, int64_t row_index,
-                                                      int64_t key_stride, float inverse_scale, float row_unscale = 1.0f) {
+                                                      int64_t key_stride, typename Sink::Factors f) {
   constexpr int kBoxChannels = kSwizzleRowBytes / 8;  // int64 per 128-byte box row
   constexpr int kBoxesPerHalf = 32 / kBoxChannels;
   constexpr int kBoxBytes = 8 * kSwizzleRowBytes;
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  // The boxes of cells 8h..8h + 7 (from `from`), if one of them was touched.
-  const auto issue = [&](int h, uint32_t from, bool live) {
-    if (!live) return;  // warp-uniform: nothing was staged
+  // The boxes of cells 8h..8h + 7 (from `from`).
+  const auto issue = [&](int h, uint32_t from) {
     fence_proxy_async_shared();  // this lane's stores before the TMA's reads
     __syncwarp();
     if (lane == 0) {
@@ -539,53 +542,49 @@ __device__ __forceinline__ void flush_fixed_point_row(const Sink& sink, const fl
       bulk_commit_group();
     }
   };
-  bool live[2];
+  bool live[2], waited = false;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {  // cells g (h = 0) and g + 8
+    uint32_t bits = 0u;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) bits |= __float_as_uint(d[j][2 * h]) | __float_as_uint(d[j][2 * h + 1]);
+    live[h] = __any_sync(0xffffffffu, (bits << 1) != 0u);  // +-0 in every sum: untouched
+    if (!live[h]) continue;  // warp-uniform
     const uint32_t half = staging + static_cast<uint32_t>((kHalves ? 0 : h) * kBoxesPerHalf * kBoxBytes);
     const int64_t element = row_index + (g + 8 * h) * key_stride + 2 * t;  // this lane's cell, channel 2t
-    float v[8];
+    float x[8];
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      float pair[4] = {d[j][2 * h], d[j][2 * h + 1], 0.0f, 0.0f};  // undo_operand_scales takes four
-      undo_operand_scales<kScaled, kRowScaled>(pair, inverse_scale, row_unscale);
-      v[2 * j] = pair[0];
-      v[2 * j + 1] = pair[1];
+      x[2 * j] = d[j][2 * h] * f.a * f.b;
+      x[2 * j + 1] = d[j][2 * h + 1] * f.a * f.b;
     }
     // One test per eight values instead of a branch around each conversion: only a lane holding a
     // value without fixed point (NaN, +-Inf) takes the flag path, and both share the conversions.
-    // The scale is a power of two, so the fp32 products are exact and F2I rounds once.
-    float x[8];
-#pragma unroll
-    for (int i = 0; i < 8; ++i) x[i] = sink.scaled(v[i]);
+    // The factors are powers of two, so the fp32 products are exact and F2I rounds once; a value
+    // keeps its sign and NaN through them, which is all the flag reads.
     if (!Sink::all_representable(x)) {
 #pragma unroll
-      for (int i = 0; i < 8; ++i) sink.keep_representable(x[i], v[i], element + 8 * (i >> 1) + (i & 1));
+      for (int i = 0; i < 8; ++i) sink.keep_representable(x[i], x[i], element + 8 * (i >> 1) + (i & 1));
     }
     unsigned long long q[8];
 #pragma unroll
     for (int i = 0; i < 8; ++i) q[i] = Sink::round_to_fixed(x[i]);
-    bool nonzero = false;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) nonzero = nonzero || q[i] != 0ull;
-    live[h] = __any_sync(0xffffffffu, nonzero);  // a touched cell among these 8: an untouched half is not staged
     // The buffer's earlier boxes must have left it; converted first, so that their reads overlap
     // the conversions.
-    if (kHalves || h == 0) {
+    if (kHalves || !waited) {
       if (lane == 0) bulk_wait_group_read_all();
       __syncwarp();
+      waited = true;
     }
-    if (live[h]) {
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        // channels 8j + 2t, + 1: box j / 2, chunk 4 (j % 2) + t of box row g, at chunk ^ g (the 128-byte swizzle)
-        const int chunk = 4 * (j & 1) + t;
-        st_shared_v4(half + static_cast<uint32_t>((j >> 1) * kBoxBytes + g * kSwizzleRowBytes + ((chunk ^ g) << 4)),
-                     make_uint4(static_cast<uint32_t>(q[2 * j]), static_cast<uint32_t>(q[2 * j] >> 32),
-                                static_cast<uint32_t>(q[2 * j + 1]), static_cast<uint32_t>(q[2 * j + 1] >> 32)));
-      }
+    for (int j = 0; j < 4; ++j) {
+      // channels 8j + 2t, + 1: box j / 2, chunk 4 (j % 2) + t of box row g, at chunk ^ g (the 128-byte swizzle)
+      const int chunk = 4 * (j & 1) + t;
+      st_shared_v4(half + static_cast<uint32_t>((j >> 1) * kBoxBytes + g * kSwizzleRowBytes + ((chunk ^ g) << 4)),
+                   make_uint4(static_cast<uint32_t>(q[2 * j]), static_cast<uint32_t>(q[2 * j] >> 32),
+                              static_cast<uint32_t>(q[2 * j + 1]), static_cast<uint32_t>(q[2 * j + 1] >> 32)));
     }
-    if constexpr (kHalves) issue(h, half, live[h]);
+    if constexpr (kHalves) issue(h, half);
   }
   if constexpr (!kHalves) {
     if (!live[0] && !live[1]) return;
@@ -645,6 +644,17 @@ __device__ __forceinline__ void reduce_window_mma(uint32_t smem_base, const Laun
       if constexpr (kCachedLoRows) ldmatrix_x4_trans(cached_lo[q], rows_lo + at);
     }
   }
+  // kTmaFlush: the sink's scale with the operand scales the sums carry folded in, once a stage.
+  const auto flush_factors = [&] {
+    if constexpr (kTmaFlush) {
+      int k = 0;
+      if constexpr (std::is_same_v<mma_t, __half>) k += ilogb(inverse_scale);
+      if constexpr (kHiLoRows) k += ilogb(row_unscale);
+      return sink.factors_with_pow2(k);
+    } else {
+      return 0;
+    }
+  }();
   const int m_tiles = w.rows * s.window_cols / 16;
   for (int tile = warp; tile < m_tiles; tile += s.consumer_warps) {
     const int m0 = tile * 16;
@@ -694,10 +704,10 @@ __device__ __forceinline__ void reduce_window_mma(uint32_t smem_base, const Laun
       constexpr bool kScaled = std::is_same_v<mma_t, __half>;
       if constexpr (kTmaFlush) {
         const int row_key = w.key0 + tile * w.width;  // a window row is 16 consecutive keys
-        flush_fixed_point_row<kScaled, Sink, kHiLoRows, kHalfFlush>(
+        flush_fixed_point_row<Sink, kHalfFlush>(
             sink, d, smem_base + static_cast<uint32_t>(s.flush_offset + warp * s.flush_bytes), flush_map,
-            static_cast<int>(head_column), row_key, row_key * key_stride + head_column, key_stride, inverse_scale,
-            row_unscale);  // one pass: c0 + 32 >= channels
+            static_cast<int>(head_column), row_key, row_key * key_stride + head_column, key_stride,
+            flush_factors);  // one pass: c0 + 32 >= channels
       } else {
 #pragma unroll
         for (int q = 0; q < kGroups; ++q) {
