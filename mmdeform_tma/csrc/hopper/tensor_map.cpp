@@ -77,9 +77,8 @@ CUtensorMap value_tensor_map(const at::Tensor& value, int box_keys) {
 
 CUtensorMap fixed_point_tensor_map(void* data, int64_t rows, int64_t columns, int box_keys) {
   constexpr int64_t kElement = 8;
-  return tensor_map_2d(data, CU_TENSOR_MAP_DATA_TYPE_UINT64, kElement, rows, columns,
-                       static_cast<int>(kSwizzleRowBytes / kElement), box_keys, CU_TENSOR_MAP_SWIZZLE_128B,
-                       [] { return "the value gradient's fixed-point accumulator"; });
+  return tensor_map_2d(data, CU_TENSOR_MAP_DATA_TYPE_UINT64, kElement, rows, columns, kFixedPointBoxColumns, box_keys,
+                       CU_TENSOR_MAP_SWIZZLE_NONE, [] { return "the value gradient's fixed-point accumulator"; });
 }
 
 void require_hopper(const std::string& backend) {

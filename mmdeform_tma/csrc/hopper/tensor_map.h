@@ -19,11 +19,10 @@ CUtensorMap value_tensor_map(const at::Tensor& value, int box_keys);
 
 // The deterministic backward's int64 fixed-point accumulator of the value gradient seen as `rows`
 // keys by `columns` (heads x channels) elements, for TMA reductions (two's complement addition is
-// unsigned addition). A box is `box_keys` keys by one 128-byte row of 16 channels, in the 128-byte
-// swizzle: in shared memory, the 16-byte chunk j of box row r sits at chunk j ^ (r mod 8), which
-// spreads a warp's stores of one chunk index over every bank. The box's shared-memory copy must be
-// 1024-byte aligned.
-constexpr int kSwizzleRowBytes = 128;
+// unsigned addition). A box is `box_keys` keys by kFixedPointBoxColumns channels (a head of 32), one
+// dense 256-byte row a key in shared memory, 128-byte aligned. No swizzle: the 128-byte one needs
+// rows of 128 bytes (two boxes a head), and a warp's stores of its rows conflict as much in both.
+constexpr int kFixedPointBoxColumns = 32;
 CUtensorMap fixed_point_tensor_map(void* data, int64_t rows, int64_t columns, int box_keys);
 
 // Throws unless the current GPU is compute capability 9.x and the build holds sm_90a code.

@@ -508,8 +508,8 @@ __device__ __forceinline__ void reduce_mma_tile(const Sink& sink, const float (&
 
 // The deterministic MMA kernels' flush of one window row's sums (16 cells x 32 channels: d[j] is
 // the n-tile of channels 8j..8j+7): the warp converts them to fixed point, stages them in its buffer
-// `staging` as boxes of 8 cells x 16 channels (fixed_point_tensor_map, swizzled), and lane 0 has
-// the TMA add each box that holds a touched cell. Four bulk operations per row replace the lanes'
+// `staging` as boxes of 8 cells x 32 channels (fixed_point_tensor_map), and lane 0 has
+// the TMA add each box that holds a touched cell. Two bulk operations per row replace the lanes'
 // 16 scalar 64-bit atomics each (integer addition keeps the result bitwise reproducible). The fp32
 // sums of the fast kernels stay with vector reductions: there the same flush was slower (perf_notes,
 // session 24). `key` is the row's first cell, `row_index` its element of channel 0. `f`: the sink's
@@ -526,21 +526,14 @@ template <typename Sink, bool kHalves = false>
 __device__ __forceinline__ void flush_fixed_point_row(const Sink& sink, const float (&d)[4][4], uint32_t staging,
                                                       const CUtensorMap* map, int column, int key, int64_t row_index,
                                                       int64_t key_stride, typename Sink::Factors f) {
-  constexpr int kBoxChannels = kSwizzleRowBytes / 8;  // int64 per 128-byte box row
-  constexpr int kBoxesPerHalf = 32 / kBoxChannels;
-  constexpr int kBoxBytes = 8 * kSwizzleRowBytes;
+  constexpr int kBoxBytes = 8 * kFixedPointBoxColumns * 8;  // cells 8h..8h + 7, every channel
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  // The boxes of cells 8h..8h + 7 (from `from`).
+  // The box of cells 8h..8h + 7 (from `from`).
   const auto issue = [&](int h, uint32_t from) {
     fence_proxy_async_shared();  // this lane's stores before the TMA's reads
     __syncwarp();
-    if (lane == 0) {
-#pragma unroll
-      for (int b = 0; b < kBoxesPerHalf; ++b) {
-        tma_reduce_add_2d(map, from + static_cast<uint32_t>(b * kBoxBytes), column + b * kBoxChannels, key + 8 * h);
-      }
-      bulk_commit_group();
-    }
+    if (lane == 0) tma_reduce_add_2d(map, from, column, key + 8 * h);
+    bulk_commit_group();  // an empty group in the other lanes; inside the branch, fp16's 4-CTA kernel spilled
   };
   bool live[2], waited = false;
 #pragma unroll
@@ -550,7 +543,7 @@ __device__ __forceinline__ void flush_fixed_point_row(const Sink& sink, const fl
     for (int j = 0; j < 4; ++j) bits |= __float_as_uint(d[j][2 * h]) | __float_as_uint(d[j][2 * h + 1]);
     live[h] = __any_sync(0xffffffffu, (bits << 1) != 0u);  // +-0 in every sum: untouched
     if (!live[h]) continue;  // warp-uniform
-    const uint32_t half = staging + static_cast<uint32_t>((kHalves ? 0 : h) * kBoxesPerHalf * kBoxBytes);
+    const uint32_t half = staging + static_cast<uint32_t>((kHalves ? 0 : h) * kBoxBytes);
     const int64_t element = row_index + (g + 8 * h) * key_stride + 2 * t;  // this lane's cell, channel 2t
     float x[8];
 #pragma unroll
@@ -577,10 +570,8 @@ __device__ __forceinline__ void flush_fixed_point_row(const Sink& sink, const fl
       waited = true;
     }
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      // channels 8j + 2t, + 1: box j / 2, chunk 4 (j % 2) + t of box row g, at chunk ^ g (the 128-byte swizzle)
-      const int chunk = 4 * (j & 1) + t;
-      st_shared_v4(half + static_cast<uint32_t>((j >> 1) * kBoxBytes + g * kSwizzleRowBytes + ((chunk ^ g) << 4)),
+    for (int j = 0; j < 4; ++j) {  // channels 8j + 2t, + 1 of cell g's 256-byte box row
+      st_shared_v4(half + static_cast<uint32_t>(g * kFixedPointBoxColumns * 8 + 64 * j + 16 * t),
                    make_uint4(static_cast<uint32_t>(q[2 * j]), static_cast<uint32_t>(q[2 * j] >> 32),
                               static_cast<uint32_t>(q[2 * j + 1]), static_cast<uint32_t>(q[2 * j + 1] >> 32)));
     }
@@ -593,12 +584,7 @@ __device__ __forceinline__ void flush_fixed_point_row(const Sink& sink, const fl
     if (lane == 0) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        if (!live[h]) continue;
-#pragma unroll
-        for (int b = 0; b < kBoxesPerHalf; ++b) {
-          tma_reduce_add_2d(map, staging + static_cast<uint32_t>((h * kBoxesPerHalf + b) * kBoxBytes),
-                            column + b * kBoxChannels, key + 8 * h);
-        }
+        if (live[h]) tma_reduce_add_2d(map, staging + static_cast<uint32_t>(h * kBoxBytes), column, key + 8 * h);
       }
       bulk_commit_group();
     }
