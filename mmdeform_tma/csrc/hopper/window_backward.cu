@@ -508,9 +508,11 @@ __device__ __forceinline__ void reduce_mma_tile(const Sink& sink, const float (&
 
 // The deterministic MMA kernels' flush of one window row's sums (16 cells x 32 channels: d[j] is
 // the n-tile of channels 8j..8j+7): the warp converts them to fixed point, stages them in its buffer
-// `staging` as boxes of 8 cells x 32 channels (fixed_point_tensor_map), and lane 0 has
-// the TMA add each box that holds a touched cell. Two bulk operations per row replace the lanes'
-// 16 scalar 64-bit atomics each (integer addition keeps the result bitwise reproducible). The fp32
+// `staging` as boxes of 4 cells x 32 channels (fixed_point_tensor_map), and lane 0 has the TMA add
+// each box that holds a touched cell. At most four bulk operations per row replace the lanes' 16
+// scalar 64-bit atomics each (integer addition keeps the result bitwise reproducible). Boxes of a
+// quarter row send fewer untouched cells than halves (perf_notes.md, item 130); the int64 bytes,
+// not the operations, are what the fp16 kernel's flush costs (items 129 and 130). The fp32
 // sums of the fast kernels stay with vector reductions: there the same flush was slower (perf_notes,
 // session 24). `key` is the row's first cell, `row_index` its element of channel 0. `f`: the sink's
 // scale with the operand scales the sums still carry (the weight scale, fp32's row scale) folded in
@@ -520,30 +522,38 @@ __device__ __forceinline__ void reduce_mma_tile(const Sink& sink, const float (&
 // of cells g (d[j][0..1]) and g + 8 (d[j][2..3]), one 16-byte chunk of a box row each, so no lane
 // pairs swap halves. kHalves (the 4-CTA kernels, whose shared memory holds 2 KB a warp): the buffer
 // holds cells 0-7, and cells 8-15 follow once the TMA has read them.
-// A half (8 cells) with no nonzero sum is neither converted nor staged: the MMA leaves exact zeros
-// in the cells no point touched, which are about a fifth of a window's halves.
+// A half (8 cells) with no nonzero sum is neither converted nor staged, and a quarter not sent: the
+// MMA leaves exact zeros in the cells no point touched.
 template <typename Sink, bool kHalves = false>
 __device__ __forceinline__ void flush_fixed_point_row(const Sink& sink, const float (&d)[4][4], uint32_t staging,
                                                       const CUtensorMap* map, int column, int key, int64_t row_index,
                                                       int64_t key_stride, typename Sink::Factors f) {
-  constexpr int kBoxBytes = 8 * kFixedPointBoxColumns * 8;  // cells 8h..8h + 7, every channel
+  constexpr int kHalfBytes = 8 * kFixedPointBoxColumns * 8;  // cells 8h..8h + 7, every channel
+  constexpr int kBoxBytes = kFixedPointBoxKeys * kFixedPointBoxColumns * 8;
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  // The box of cells 8h..8h + 7 (from `from`).
-  const auto issue = [&](int h, uint32_t from) {
+  // The boxes of cells 8h..8h + 7 (from `from`) that hold a touched cell (quarters: bit q).
+  const auto issue = [&](int h, uint32_t from, unsigned quarters) {
     fence_proxy_async_shared();  // this lane's stores before the TMA's reads
     __syncwarp();
-    if (lane == 0) tma_reduce_add_2d(map, from, column, key + 8 * h);
+    if (lane == 0) {
+#pragma unroll
+      for (int q = 0; q < 2; ++q) {
+        if (quarters & (1u << q)) tma_reduce_add_2d(map, from + q * kBoxBytes, column, key + 8 * h + kFixedPointBoxKeys * q);
+      }
+    }
     bulk_commit_group();  // an empty group in the other lanes; inside the branch, fp16's 4-CTA kernel spilled
   };
-  bool live[2], waited = false;
+  unsigned quarters[2];  // per half, the boxes (cells 0-3, 4-7 of it) with a touched cell
+  bool waited = false;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {  // cells g (h = 0) and g + 8
     uint32_t bits = 0u;
 #pragma unroll
     for (int j = 0; j < 4; ++j) bits |= __float_as_uint(d[j][2 * h]) | __float_as_uint(d[j][2 * h + 1]);
-    live[h] = __any_sync(0xffffffffu, (bits << 1) != 0u);  // +-0 in every sum: untouched
-    if (!live[h]) continue;  // warp-uniform
-    const uint32_t half = staging + static_cast<uint32_t>((kHalves ? 0 : h) * kBoxBytes);
+    const unsigned touched = __ballot_sync(0xffffffffu, (bits << 1) != 0u);  // +-0 in every sum: untouched
+    quarters[h] = ((touched & 0xFFFFu) != 0u ? 1u : 0u) | ((touched >> 16) != 0u ? 2u : 0u);  // lanes 0-15: cells 0-3
+    if (quarters[h] == 0u) continue;  // warp-uniform
+    const uint32_t half = staging + static_cast<uint32_t>((kHalves ? 0 : h) * kHalfBytes);
     const int64_t element = row_index + (g + 8 * h) * key_stride + 2 * t;  // this lane's cell, channel 2t
     float x[8];
 #pragma unroll
@@ -575,19 +585,25 @@ __device__ __forceinline__ void flush_fixed_point_row(const Sink& sink, const fl
                    make_uint4(static_cast<uint32_t>(q[2 * j]), static_cast<uint32_t>(q[2 * j] >> 32),
                               static_cast<uint32_t>(q[2 * j + 1]), static_cast<uint32_t>(q[2 * j + 1] >> 32)));
     }
-    if constexpr (kHalves) issue(h, half);
+    if constexpr (kHalves) issue(h, half, quarters[h]);
   }
   if constexpr (!kHalves) {
-    if (!live[0] && !live[1]) return;
+    if ((quarters[0] | quarters[1]) == 0u) return;
     fence_proxy_async_shared();  // this lane's stores before the TMA's reads
     __syncwarp();
     if (lane == 0) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        if (live[h]) tma_reduce_add_2d(map, staging + static_cast<uint32_t>(h * kBoxBytes), column, key + 8 * h);
+#pragma unroll
+        for (int q = 0; q < 2; ++q) {
+          if (quarters[h] & (1u << q)) {
+            tma_reduce_add_2d(map, staging + static_cast<uint32_t>(h * kHalfBytes + q * kBoxBytes), column,
+                              key + 8 * h + kFixedPointBoxKeys * q);
+          }
+        }
       }
-      bulk_commit_group();
     }
+    bulk_commit_group();
   }
 }
 
@@ -1166,7 +1182,8 @@ Gradients backward(const ProblemTensors& problem, const at::Tensor& grad_output,
         // room); unused elsewhere.
         CUtensorMap flush_map{};
         if (s.flush_bytes > 0) {
-          flush_map = fixed_point_tensor_map(sink.grad, problem.batch * problem.num_keys, problem.heads * problem.channels, 8);
+          flush_map = fixed_point_tensor_map(sink.grad, problem.batch * problem.num_keys, problem.heads * problem.channels,
+                                             kFixedPointBoxKeys);
         }
         if constexpr (sizeof(scalar_t) <= 4) {
           // An MMA kernel, followed by the spread fallback on the same grid where it applies.
