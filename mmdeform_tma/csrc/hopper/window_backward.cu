@@ -796,7 +796,7 @@ __global__ void __launch_bounds__(kMaxThreads, kCtasPerSm)
   const Ring<coord_t> ring{dynamic_smem, &s};
   const int groups = tile_groups(p, s);
   const int num_tiles = tile_count(p, groups);
-  if constexpr (kTmaFlush) {  // the swizzled flush boxes need their 1024-byte alignment; the host gives their room
+  if constexpr (kTmaFlush) {  // the flush boxes need 128-byte alignment (the host gives 1024) and their room
     constexpr int kFlushBytes = (kHalfFlush ? kMmaWindowSide / 2 : kMmaWindowSide) * 32 * 8;
     if ((smem_address(dynamic_smem) & 1023u) != 0u || s.flush_bytes != kFlushBytes) __trap();
   }
