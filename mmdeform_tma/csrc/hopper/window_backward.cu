@@ -45,6 +45,8 @@
 #include "../common/grad_accumulation.cuh"
 #include "../common/launchers.h"
 #include "backward_chunk.h"
+#include "coarse_level_backward.h"
+#include "fixed_point_flush.cuh"
 #include "mma_fragments.cuh"
 #include "spread_fallback.cuh"
 #include "window_launch.cuh"
@@ -506,107 +508,6 @@ __device__ __forceinline__ void reduce_mma_tile(const Sink& sink, const float (&
   }
 }
 
-// The deterministic MMA kernels' flush of one window row's sums (16 cells x 32 channels: d[j] is
-// the n-tile of channels 8j..8j+7): the warp converts them to fixed point, stages them in its buffer
-// `staging` as boxes of 4 cells x 32 channels (fixed_point_tensor_map), and lane 0 has the TMA add
-// each box that holds a touched cell. At most four bulk operations per row replace the lanes' 16
-// scalar 64-bit atomics each (integer addition keeps the result bitwise reproducible). Boxes of a
-// quarter row send fewer untouched cells than halves (perf_notes.md, item 130); the int64 bytes,
-// not the operations, are what the fp16 kernel's flush costs (items 129 and 130). The fp32
-// sums of the fast kernels stay with vector reductions: there the same flush was slower (perf_notes,
-// session 24). `key` is the row's first cell, `row_index` its element of channel 0. `f`: the sink's
-// scale with the operand scales the sums still carry (the weight scale, fp32's row scale) folded in
-// (FixedPointSink::factors_with_pow2): two multiplies a value where there were three (four in fp32).
-// Skipping the second where it is 1 (almost always) spilled fp16's 4-CTA kernel.
-// The lanes stage the sums where the MMA left them: lane (g, t) holds channels 8j + 2t, 8j + 2t + 1
-// of cells g (d[j][0..1]) and g + 8 (d[j][2..3]), one 16-byte chunk of a box row each, so no lane
-// pairs swap halves. kHalves (the 4-CTA kernels, whose shared memory holds 2 KB a warp): the buffer
-// holds cells 0-7, and cells 8-15 follow once the TMA has read them.
-// A half (8 cells) with no nonzero sum is neither converted nor staged, and a quarter not sent: the
-// MMA leaves exact zeros in the cells no point touched.
-template <typename Sink, bool kHalves = false>
-__device__ __forceinline__ void flush_fixed_point_row(const Sink& sink, const float (&d)[4][4], uint32_t staging,
-                                                      const CUtensorMap* map, int column, int key, int64_t row_index,
-                                                      int64_t key_stride, typename Sink::Factors f) {
-  constexpr int kHalfBytes = 8 * kFixedPointBoxColumns * 8;  // cells 8h..8h + 7, every channel
-  constexpr int kBoxBytes = kFixedPointBoxKeys * kFixedPointBoxColumns * 8;
-  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  // The boxes of cells 8h..8h + 7 (from `from`) that hold a touched cell (quarters: bit q).
-  const auto issue = [&](int h, uint32_t from, unsigned quarters) {
-    fence_proxy_async_shared();  // this lane's stores before the TMA's reads
-    __syncwarp();
-    if (lane == 0) {
-#pragma unroll
-      for (int q = 0; q < 2; ++q) {
-        if (quarters & (1u << q)) tma_reduce_add_2d(map, from + q * kBoxBytes, column, key + 8 * h + kFixedPointBoxKeys * q);
-      }
-    }
-    bulk_commit_group();  // an empty group in the other lanes; inside the branch, fp16's 4-CTA kernel spilled
-  };
-  unsigned quarters[2];  // per half, the boxes (cells 0-3, 4-7 of it) with a touched cell
-  bool waited = false;
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {  // cells g (h = 0) and g + 8
-    uint32_t bits = 0u;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) bits |= __float_as_uint(d[j][2 * h]) | __float_as_uint(d[j][2 * h + 1]);
-    const unsigned touched = __ballot_sync(0xffffffffu, (bits << 1) != 0u);  // +-0 in every sum: untouched
-    quarters[h] = ((touched & 0xFFFFu) != 0u ? 1u : 0u) | ((touched >> 16) != 0u ? 2u : 0u);  // lanes 0-15: cells 0-3
-    if (quarters[h] == 0u) continue;  // warp-uniform
-    const uint32_t half = staging + static_cast<uint32_t>((kHalves ? 0 : h) * kHalfBytes);
-    const int64_t element = row_index + (g + 8 * h) * key_stride + 2 * t;  // this lane's cell, channel 2t
-    float x[8];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      x[2 * j] = d[j][2 * h] * f.a * f.b;
-      x[2 * j + 1] = d[j][2 * h + 1] * f.a * f.b;
-    }
-    // One test per eight values instead of a branch around each conversion: only a lane holding a
-    // value without fixed point (NaN, +-Inf) takes the flag path, and both share the conversions.
-    // The factors are powers of two, so the fp32 products are exact and F2I rounds once; a value
-    // keeps its sign and NaN through them, which is all the flag reads.
-    if (!Sink::all_representable(x)) {
-#pragma unroll
-      for (int i = 0; i < 8; ++i) sink.keep_representable(x[i], x[i], element + 8 * (i >> 1) + (i & 1));
-    }
-    unsigned long long q[8];
-#pragma unroll
-    for (int i = 0; i < 8; ++i) q[i] = Sink::round_to_fixed(x[i]);
-    // The buffer's earlier boxes must have left it; converted first, so that their reads overlap
-    // the conversions.
-    if (kHalves || !waited) {
-      if (lane == 0) bulk_wait_group_read_all();
-      __syncwarp();
-      waited = true;
-    }
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {  // channels 8j + 2t, + 1 of cell g's 256-byte box row
-      st_shared_v4(half + static_cast<uint32_t>(g * kFixedPointBoxColumns * 8 + 64 * j + 16 * t),
-                   make_uint4(static_cast<uint32_t>(q[2 * j]), static_cast<uint32_t>(q[2 * j] >> 32),
-                              static_cast<uint32_t>(q[2 * j + 1]), static_cast<uint32_t>(q[2 * j + 1] >> 32)));
-    }
-    if constexpr (kHalves) issue(h, half, quarters[h]);
-  }
-  if constexpr (!kHalves) {
-    if ((quarters[0] | quarters[1]) == 0u) return;
-    fence_proxy_async_shared();  // this lane's stores before the TMA's reads
-    __syncwarp();
-    if (lane == 0) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-#pragma unroll
-        for (int q = 0; q < 2; ++q) {
-          if (quarters[h] & (1u << q)) {
-            tma_reduce_add_2d(map, staging + static_cast<uint32_t>(h * kHalfBytes + q * kBoxBytes), column,
-                              key + 8 * h + kFixedPointBoxKeys * q);
-          }
-        }
-      }
-    }
-    bulk_commit_group();
-  }
-}
-
 // One warp's share of a stage's MMA: window rows of 16 cells (m-tiles) in turn, all slots (k),
 // every channel (n, 16 at a time); then it zeroes the block of A it read. kTmaFlush (fixed point,
 // 32 channels, kGroups 2: a row's sums in one pass): the row leaves through flush_fixed_point_row.
@@ -870,7 +771,13 @@ __global__ void __launch_bounds__(kMaxThreads, kCtasPerSm)
       parity ^= 1;
     }
     mbarrier_wait(ring.full(at.stage), at.round & 1u);
-    const StageWindow w = *ring.header(at.stage);
+    StageWindow w = *ring.header(at.stage);
+    // A coarse level's value gradient is coarse_level_backward's (LaunchShape::coarse_level_keys):
+    // rows -1 (no window, and no direct path either), so no point adds to A or to the sink. A flag
+    // beside rows spilled fp16's 4-CTA kernel.
+    if constexpr (kTmaFlush) {
+      if (static_cast<int64_t>(w.width) * w.height <= static_cast<int64_t>(s.coarse_level_keys)) w.rows = -1;
+    }
     RowScale row_scale{1.0f, 1.0f};
     if constexpr (kHiLoRows) row_scale = row_scale_for(*mma_tile_largest(ring, at.stage));  // read before the release
     const WindowPoint<coord_t>* meta = ring.meta(at.stage);
@@ -1031,7 +938,7 @@ __global__ void __launch_bounds__(kMaxThreads, kCtasPerSm)
           // One vote a warp for the direct path, which few of the MMA kernels' points take (corners
           // outside the window, a non-finite row): four tests and branches a point otherwise, about 4 %
           // of the fp16 encoder's instructions (perf_notes.md, item 111). The warp is converged here.
-          if (__any_sync(0xffffffffu, !gathered && m.valid != 0u)) {
+          if (__any_sync(0xffffffffu, !gathered && m.valid != 0u && (!kTmaFlush || w.rows >= 0))) {
 #pragma unroll
             for (int c = 0; c < 4; ++c) add_direct(c);
           }
@@ -1161,6 +1068,9 @@ Gradients backward(const ProblemTensors& problem, const at::Tensor& grad_output,
   if (!s.mma) {  // any other config or problem; an MMA config whose tile the MMA cannot take runs without a window
     s = launch_shape(problem, config, chunk_bytes, meta_size, kMaxBackwardSlotsPerTeam, true, entry_size);
   }
+  // fp16/bf16's deterministic 32-channel MMA kernels leave the coarse levels' value gradient to
+  // coarse_level_backward.cu, which flushes each of their windows once a run of queries.
+  if (s.flush_bytes > 0 && element == 2) s.coarse_level_keys = kCoarseLevelKeys;
   // The fast 32-channel MMA kernels hand the CTAs whose sampling spreads to a fallback over the same
   // tiles (LaunchShape::spread_role): in fp16/bf16 a plain kernel, where the team layout gives it the
   // same tiles; in fp32 the portable kernel's teams.
@@ -1241,6 +1151,9 @@ Gradients backward(const ProblemTensors& problem, const at::Tensor& grad_output,
               }
               launch_mma(backward_kernel<scalar_t, kMmaChunkBytes, Sink, Aggregation::kMma, kMinCtas, kRows32>);
             });
+            if constexpr (sizeof(scalar_t) == 2 && kFixedPoint) {
+              if (s.coarse_level_keys > 0) launch_coarse_level_backward<scalar_t>(problem, go, sink, flush_map, s.weight_scale);
+            }
             return;
           }
         }

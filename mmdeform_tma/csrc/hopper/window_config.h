@@ -138,6 +138,9 @@ struct LaunchShape {
   // in fp32 the portable kernel's teams (spread_fallback.cuh).
   SpreadRole spread_role;
   int* spread_flags;
+  // The deterministic 32-channel MMA kernels of fp16/bf16: levels of at most this many keys are left
+  // to coarse_level_backward.cu (0: none). Last, as g_lo_offset.
+  int coarse_level_keys;
 };
 
 // The geometry `config` gives for this problem (-1: the default heuristic); throws with the reason
