@@ -502,24 +502,6 @@ def test_tma_ws_mma_backward_against_float64(case, dtype):
             check_backward_config(problem, answers, config, name, deterministic)
 
 
-COARSE_ENCODER = ("encoder_coarse_windows", [(40, 60), (20, 30), (10, 15), (5, 8)], 2, 3190, 8, 32, 4, "encoder")
-
-
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("locality", ["encoder", "uniform"])
-def test_tma_ws_coarse_level_backward_against_float64(locality, dtype):
-    """The deterministic fp16/bf16 32-channel MMA backward leaves the levels of at most 1,024 keys
-    to the coarse-level kernel (hopper/coarse_level_backward.cu): here a fine level beside coarse
-    ones of three windows (600 keys), one and one; sampled locally and uniformly (every corner of
-    a run in every window). Every MMA config and the default, against float64, bitwise twice."""
-    name, shapes, *rest = COARSE_ENCODER
-    problem = cuda_problem((name, shapes, *rest[:-1], locality), dtype, seed=59)
-    skip_unless_supported("tma_ws", validate(*problem.args()))
-    answers = float64_answers(problem, dtype)
-    for config, config_name in [(-1, "default"), *mma_configs()]:
-        check_backward_config(problem, answers, config, config_name, deterministic=True)
-
-
 def border_encoder_problem(dtype, edge: str):
     """An encoder sampled around its pixels, with every point moved into the band of half a pixel
     past one edge of its level (`left`: x0 = -1, `top`: y0 = -1) or past the bottom-right corner

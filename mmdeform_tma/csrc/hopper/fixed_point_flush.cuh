@@ -1,5 +1,5 @@
 // The deterministic MMA kernels' fixed-point flush of a window row: the TMA adds its int64 sums to
-// the value gradient (window_backward.cu, coarse_level_backward.cu).
+// the value gradient (window_backward.cu).
 #pragma once
 
 #include <cstdint>
@@ -19,11 +19,10 @@ namespace hopper {
 // `staging` as boxes of kFixedPointBoxKeys cells x 32 channels (fixed_point_tensor_map), and lane 0
 // has the TMA add each box that holds a touched cell. At most 16 / kFixedPointBoxKeys bulk
 // operations per row replace the lanes' 16 scalar 64-bit atomics each (integer addition keeps the
-// result bitwise reproducible). Smaller boxes send fewer untouched cells (perf_notes.md, items 130
-// and 131); the int64 bytes, not the operations, are what the fp16 kernel's flush costs (items 129
-// and 130). The fp32
-// sums of the fast kernels stay with vector reductions: there the same flush was slower (perf_notes,
-// session 24). `key` is the row's first cell, `row_index` its element of channel 0. `f`: the sink's
+// result bitwise reproducible). Smaller boxes send fewer untouched cells (perf_notes.md, item 130);
+// the int64 bytes, not the operations, are what the fp16 kernel's flush costs (items 129 and 130).
+// The fp32 sums of the fast kernels stay with vector reductions: there the same flush was slower
+// (perf_notes, session 24). `key` is the row's first cell, `row_index` its element of channel 0. `f`: the sink's
 // scale with the operand scales the sums still carry (the weight scale, fp32's row scale) folded in
 // (FixedPointSink::factors_with_pow2): two multiplies a value where there were three (four in fp32).
 // Skipping the second where it is 1 (almost always) spilled fp16's 4-CTA kernel.
@@ -31,8 +30,8 @@ namespace hopper {
 // of cells g (d[j][0..1]) and g + 8 (d[j][2..3]), one 16-byte chunk of a box row each, so no lane
 // pairs swap halves. kHalves (the 4-CTA kernels, whose shared memory holds 2 KB a warp): the buffer
 // holds cells 0-7, and cells 8-15 follow once the TMA has read them.
-// A half (8 cells) with no nonzero sum is neither converted nor staged, and a box without one not sent: the
-// MMA leaves exact zeros in the cells no point touched.
+// A half (8 cells) with no nonzero sum is neither converted nor staged, and a box without one is
+// not sent: the MMA leaves exact zeros in the cells no point touched.
 template <typename Sink, bool kHalves = false>
 __device__ __forceinline__ void flush_fixed_point_row(const Sink& sink, const float (&d)[4][4], uint32_t staging,
                                                       const CUtensorMap* map, int column, int key, int64_t row_index,
@@ -51,7 +50,9 @@ __device__ __forceinline__ void flush_fixed_point_row(const Sink& sink, const fl
     if (lane == 0) {
 #pragma unroll
       for (int b = 0; b < kBoxesPerHalf; ++b) {
-        if (boxes & (1u << b)) tma_reduce_add_2d(map, from + b * kBoxBytes, column, key + 8 * h + kFixedPointBoxKeys * b);
+        if (boxes & (1u << b)) {
+          tma_reduce_add_2d(map, from + b * kBoxBytes, column, key + 8 * h + kFixedPointBoxKeys * b);
+        }
       }
     }
     bulk_commit_group();  // an empty group in the other lanes; inside the branch, fp16's 4-CTA kernel spilled
@@ -66,7 +67,9 @@ __device__ __forceinline__ void flush_fixed_point_row(const Sink& sink, const fl
     const unsigned touched = __ballot_sync(0xffffffffu, (bits << 1) != 0u);  // +-0 in every sum: untouched
     boxes[h] = 0u;
 #pragma unroll
-    for (int b = 0; b < kBoxesPerHalf; ++b) boxes[h] |= ((touched >> (b * kLanesPerBox)) & kBoxLanes) != 0u ? 1u << b : 0u;
+    for (int b = 0; b < kBoxesPerHalf; ++b) {
+      boxes[h] |= ((touched >> (b * kLanesPerBox)) & kBoxLanes) != 0u ? 1u << b : 0u;
+    }
     if (boxes[h] == 0u) continue;  // warp-uniform
     const uint32_t half = staging + static_cast<uint32_t>((kHalves ? 0 : h) * kHalfBytes);
     const int64_t element = row_index + (g + 8 * h) * key_stride + 2 * t;  // this lane's cell, channel 2t

@@ -23,7 +23,7 @@ CUtensorMap value_tensor_map(const at::Tensor& value, int box_keys);
 // dense 256-byte row a key in shared memory, 128-byte aligned. No swizzle: the 128-byte one needs
 // rows of 128 bytes (two boxes a head), and a warp's stores of its rows conflict as much in both.
 constexpr int kFixedPointBoxColumns = 32;
-constexpr int kFixedPointBoxKeys = 2;  // an eighth of a 16-cell window row
+constexpr int kFixedPointBoxKeys = 4;  // a quarter of a 16-cell window row
 CUtensorMap fixed_point_tensor_map(void* data, int64_t rows, int64_t columns, int box_keys);
 
 // Throws unless the current GPU is compute capability 9.x and the build holds sm_90a code.

@@ -45,7 +45,6 @@
 #include "../common/grad_accumulation.cuh"
 #include "../common/launchers.h"
 #include "backward_chunk.h"
-#include "coarse_level_backward.h"
 #include "fixed_point_flush.cuh"
 #include "mma_fragments.cuh"
 #include "spread_fallback.cuh"
@@ -771,13 +770,7 @@ __global__ void __launch_bounds__(kMaxThreads, kCtasPerSm)
       parity ^= 1;
     }
     mbarrier_wait(ring.full(at.stage), at.round & 1u);
-    StageWindow w = *ring.header(at.stage);
-    // A coarse level's value gradient is coarse_level_backward's (LaunchShape::coarse_level_keys):
-    // rows -1 (no window, and no direct path either), so no point adds to A or to the sink. A flag
-    // beside rows spilled fp16's 4-CTA kernel.
-    if constexpr (kTmaFlush) {
-      if (static_cast<int64_t>(w.width) * w.height <= static_cast<int64_t>(s.coarse_level_keys)) w.rows = -1;
-    }
+    const StageWindow w = *ring.header(at.stage);
     RowScale row_scale{1.0f, 1.0f};
     if constexpr (kHiLoRows) row_scale = row_scale_for(*mma_tile_largest(ring, at.stage));  // read before the release
     const WindowPoint<coord_t>* meta = ring.meta(at.stage);
@@ -938,7 +931,7 @@ __global__ void __launch_bounds__(kMaxThreads, kCtasPerSm)
           // One vote a warp for the direct path, which few of the MMA kernels' points take (corners
           // outside the window, a non-finite row): four tests and branches a point otherwise, about 4 %
           // of the fp16 encoder's instructions (perf_notes.md, item 111). The warp is converged here.
-          if (__any_sync(0xffffffffu, !gathered && m.valid != 0u && (!kTmaFlush || w.rows >= 0))) {
+          if (__any_sync(0xffffffffu, !gathered && m.valid != 0u)) {
 #pragma unroll
             for (int c = 0; c < 4; ++c) add_direct(c);
           }
@@ -1068,9 +1061,6 @@ Gradients backward(const ProblemTensors& problem, const at::Tensor& grad_output,
   if (!s.mma) {  // any other config or problem; an MMA config whose tile the MMA cannot take runs without a window
     s = launch_shape(problem, config, chunk_bytes, meta_size, kMaxBackwardSlotsPerTeam, true, entry_size);
   }
-  // fp16/bf16's deterministic 32-channel MMA kernels leave the coarse levels' value gradient to
-  // coarse_level_backward.cu, which flushes each of their windows once a run of queries.
-  if (s.flush_bytes > 0 && element == 2) s.coarse_level_keys = kCoarseLevelKeys;
   // The fast 32-channel MMA kernels hand the CTAs whose sampling spreads to a fallback over the same
   // tiles (LaunchShape::spread_role): in fp16/bf16 a plain kernel, where the team layout gives it the
   // same tiles; in fp32 the portable kernel's teams.
@@ -1151,9 +1141,6 @@ Gradients backward(const ProblemTensors& problem, const at::Tensor& grad_output,
               }
               launch_mma(backward_kernel<scalar_t, kMmaChunkBytes, Sink, Aggregation::kMma, kMinCtas, kRows32>);
             });
-            if constexpr (sizeof(scalar_t) == 2 && kFixedPoint) {
-              if (s.coarse_level_keys > 0) launch_coarse_level_backward<scalar_t>(problem, go, sink, flush_map, s.weight_scale);
-            }
             return;
           }
         }

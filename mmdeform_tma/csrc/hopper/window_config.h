@@ -137,10 +137,6 @@ struct LaunchShape {
   // fallback that follows: in fp16/bf16 a plain kernel on the same tiles and grid (kRunFlaggedCtas),
   // in fp32 the portable kernel's teams (spread_fallback.cuh).
   SpreadRole spread_role;
-  // The deterministic 32-channel MMA kernels of fp16/bf16: levels of at most this many keys are left
-  // to coarse_level_backward.cu (0: none). In spread_role's padding: the struct's size, and so every
-  // kernel's parameter offsets after it, stay as they were.
-  int coarse_level_keys;
   int* spread_flags;
 };
 

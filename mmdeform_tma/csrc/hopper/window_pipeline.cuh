@@ -55,7 +55,7 @@ struct alignas(16) WindowPoint {
 // The window of one stage, written by the producer next to the stage's metadata.
 struct alignas(16) StageWindow {
   int key0;           // value-map row of cell (0, 0): batch * num_keys + start + wy0 * width + wx0
-  int rows;           // window rows loaded; 0: this stage has no window (-1: see window_backward.cu, coarse levels)
+  int rows;           // window rows loaded; 0: this stage has no window
   int cols;           // window columns inside the level
   int width, height;  // the level's size
   // Under SpreadRole::kBailWhereSpread: 1 when the corners span more than four MMA accumulation
