@@ -33,6 +33,13 @@
 #                             $OUT/autotune_ab_new.json. Run it after `build`; tools/kernel_code_diff.py names
 #                             the kernels that differ between the two. (Session 24 ran these commands by hand;
 #                             the step itself has run on the CPU tests only so far.)
+#   ab_op                     the same base tree against this checkout on the operator benchmark: builds AB_BASE
+#                             in place, then runs tools/benchmark_op.py AB_OP_ARGS (default: the deterministic
+#                             encoder rows, `--presets detr_enc_bs2 detr_enc_bs8 --backends tma_ws --directions
+#                             backward --deterministic`) on the base and on this checkout in turn, AB_ROUNDS times
+#                             (default 2: rounds alternate, so clock drift reaches both), and tools/ab_compare.py
+#                             writes each row's change and the deterministic-over-fast ratios to $OUT/ab_op.md.
+#                             Run it after `build`. (Sessions 50-53 ran these commands from a scratch script.)
 #   bench graph               tools/benchmark_op.py (BENCH_ARGS); tools/cuda_graph_train_step.py
 #   autotune                  tools/autotune.py over AUTOTUNE_BACKENDS (default tma_ws cuda), forward,
 #                             backward and the deterministic backward; rewrites this GPU's table
@@ -152,6 +159,28 @@ if has ab; then
     done
   else
     echo "=== ab: no source tree at $base (AB_BASE)"
+    status=1
+  fi
+fi
+if has ab_op; then
+  base=${AB_BASE:-.ab_base}
+  if [ -f "$base/setup.py" ]; then
+    base=$(cd "$base" && pwd)
+    run ab_op_build_base ${BUILD_TIMEOUT:-600} bash -c "cd '$base' && python3 setup.py build_ext --inplace"
+    op_args=${AB_OP_ARGS:---presets detr_enc_bs2 detr_enc_bs8 --backends tma_ws --directions backward --deterministic}
+    base_rounds=() new_rounds=()
+    for round in $(seq "${AB_ROUNDS:-2}"); do
+      for tree in base new; do  # each imports its own package first
+        dir=$([ $tree = base ] && echo "$base" || pwd)
+        run "ab_op_${tree}_r$round" ${BENCH_TIMEOUT:-600} env PYTHONPATH="$dir${PYTHONPATH:+:$PYTHONPATH}" \
+          python3 tools/benchmark_op.py $op_args --out "$OUT/ab_op_${tree}_r$round"
+      done
+      base_rounds+=("$OUT/ab_op_base_r$round.json")
+      new_rounds+=("$OUT/ab_op_new_r$round.json")
+    done
+    run ab_op_compare 60 python3 tools/ab_compare.py "${base_rounds[@]}" --new "${new_rounds[@]}" --out "$OUT/ab_op.md"
+  else
+    echo "=== ab_op: no source tree at $base (AB_BASE)"
     status=1
   fi
 fi

@@ -206,3 +206,31 @@ def test_ab_without_a_base_tree_runs_nothing_and_fails(suite, tmp_path):
     printed = []
     assert suite("ab", AB_BASE=str(tmp_path / "missing"), expect_rc=1, printed=printed) == []
     assert any("no source tree" in line for line in printed)
+
+
+def test_ab_op_builds_the_base_then_alternates_the_trees_round_by_round_and_compares(suite, tmp_path):
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "setup.py").write_text("")
+    build, *benches, compare = suite("ab_op", AB_BASE=str(base), AB_ROUNDS="2")
+    assert build.endswith("setup.py build_ext --inplace")
+    outs = [re.search(r"--out \S*/(ab_op_\w+)", b)[1] for b in benches]
+    assert outs == ["ab_op_base_r1", "ab_op_new_r1", "ab_op_base_r2", "ab_op_new_r2"]
+    assert all("tools/benchmark_op.py --presets detr_enc_bs2 detr_enc_bs8 --backends tma_ws" in b and "--deterministic" in b
+               for b in benches)
+    assert "tools/ab_compare.py" in compare and compare.endswith("ab_op.md")
+    assert re.search(r"ab_op_base_r1\.json \S*ab_op_base_r2\.json --new \S*ab_op_new_r1\.json \S*ab_op_new_r2\.json", compare)
+
+
+def test_ab_op_takes_its_benchmark_arguments(suite, tmp_path):
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "setup.py").write_text("")
+    _, *benches, _ = suite("ab_op", AB_BASE=str(base), AB_ROUNDS="1", AB_OP_ARGS="--presets detr_dec_bs2 --dtypes float16")
+    assert len(benches) == 2 and all("benchmark_op.py --presets detr_dec_bs2 --dtypes float16 --out" in b for b in benches)
+
+
+def test_ab_op_without_a_base_tree_runs_nothing_and_fails(suite, tmp_path):
+    printed = []
+    assert suite("ab_op", AB_BASE=str(tmp_path / "missing"), expect_rc=1, printed=printed) == []
+    assert any("ab_op: no source tree" in line for line in printed)
