@@ -33,11 +33,12 @@ def medians(path: Path) -> dict[Key, float]:
 
 def deterministic_ratios(round_: dict[Key, float]) -> dict[Key, float]:
     """Per fast row with a `+det` twin in the same round: deterministic median over fast median."""
-    return {
-        (preset, dtype, backend[: -len("+det")], direction): ms / round_[(preset, dtype, backend[: -len("+det")], direction)]
-        for (preset, dtype, backend, direction), ms in round_.items()
-        if backend.endswith("+det") and (preset, dtype, backend[: -len("+det")], direction) in round_
-    }
+    ratios = {}
+    for (preset, dtype, backend, direction), ms in round_.items():
+        fast = (preset, dtype, backend.removesuffix("+det"), direction)
+        if backend.endswith("+det") and fast in round_:
+            ratios[fast] = ms / round_[fast]
+    return ratios
 
 
 def compare(base: list[dict[Key, float]], new: list[dict[Key, float]]) -> list[str]:
@@ -48,7 +49,7 @@ def compare(base: list[dict[Key, float]], new: list[dict[Key, float]]) -> list[s
     for key in keys:
         b = [r[key] for r in base if key in r]
         n = [r[key] for r in new if key in r]
-        if len(b) < len(base) or len(n) < len(new) or not n:
+        if len(b) < len(base) or len(n) < len(new):
             missing.append(" ".join(key))
             continue
         label = " ".join(key)

@@ -22,10 +22,11 @@ namespace hopper {
 // result bitwise reproducible). Smaller boxes send fewer untouched cells (perf_notes.md, item 130);
 // the int64 bytes, not the operations, are what the fp16 kernel's flush costs (items 129 and 130).
 // The fp32 sums of the fast kernels stay with vector reductions: there the same flush was slower
-// (perf_notes, session 24). `key` is the row's first cell, `row_index` its element of channel 0. `f`: the sink's
-// scale with the operand scales the sums still carry (the weight scale, fp32's row scale) folded in
-// (FixedPointSink::factors_with_pow2): two multiplies a value where there were three (four in fp32).
-// Skipping the second where it is 1 (almost always) spilled fp16's 4-CTA kernel.
+// (perf_notes, session 24). `key` is the row's first cell, `row_index` its element of channel 0.
+// `f`: the sink's scale with the operand scales the sums still carry (the weight scale, fp32's row
+// scale) folded in (FixedPointSink::factors_with_pow2): two multiplies a value where there were
+// three (four in fp32). Skipping the second where it is 1 (almost always) spilled fp16's 4-CTA
+// kernel.
 // The lanes stage the sums where the MMA left them: lane (g, t) holds channels 8j + 2t, 8j + 2t + 1
 // of cells g (d[j][0..1]) and g + 8 (d[j][2..3]), one 16-byte chunk of a box row each, so no lane
 // pairs swap halves. kHalves (the 4-CTA kernels, whose shared memory holds 2 KB a warp): the buffer
