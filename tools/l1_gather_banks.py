@@ -1,0 +1,164 @@
+"""Does a warp's gather of 64-byte value rows through L1 cost a wavefront per cache line, or per
+pass over the 32 banks its bytes fall in? The windowless forward's corner gathers are its wall
+(perf_notes.md items 96 and 134): 8 teams of 4 lanes a warp each load a 64-byte row of one head, and
+with mmcv's value layout (keys x heads x channels) every row of a head starts at the same offset in
+its 128-byte line, so all 8 rows use the same 16 of L1's 32 banks.
+
+    python tools/l1_gather_banks.py                       # times every layout (bench_common.time_calls)
+    ncu --kernel-name gather_rows --metrics l1tex__data_pipe_lsu_wavefronts.sum,\\
+        l1tex__t_requests_pipe_lsu_mem_global_op_ld.sum,gpu__time_duration.sum \\
+        python tools/l1_gather_banks.py --iters 1 --warmup 0
+
+Each layout gathers the same points: the bs 2 fp16 encoder's level 0 (100 x 152 keys, 8 heads,
+32 channels, 16 points a query around its pixel, N(0, 2 px)). A team of 4 lanes loads 16 bytes of
+each of a point's 4 corner rows and writes their sum; the corners' byte offsets are computed here
+(torch), so the kernel is the same for every layout:
+
+- `one_head_per_warp`: mmcv's layout, a warp's 8 teams on 8 consecutive queries of one head (the
+  forward's teams today);
+- `two_heads_per_warp`: the same value, a warp's teams on 4 queries of two heads of opposite
+  bank halves;
+- `padded_key_stride`: 576-byte keys, so consecutive keys' rows alternate bank halves;
+- `head_major`: value transposed to heads x keys x channels.
+
+If L1 wavefronts follow banks, the last three take about half the first one's wavefronts for the
+rows; if they follow cache lines, all four take the same.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_common  # noqa: E402
+
+ROW_BYTES = 64  # 32 fp16 channels
+LINE_BYTES = 128
+TEAMS_PER_WARP = 8
+LAYOUTS = ("one_head_per_warp", "two_heads_per_warp", "padded_key_stride", "head_major")
+
+KERNEL = r"""
+#include <cstdint>
+#include <cuda_fp16.h>
+// Team t (4 lanes) sums 16 bytes of its 4 corner rows: offsets[4 t + k] + 16 x lane.
+__global__ void gather_rows(const char* __restrict__ value, const int64_t* __restrict__ offsets,
+                            uint4* __restrict__ out, int64_t teams) {
+  const int64_t t = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 4;
+  const int lane = threadIdx.x & 3;
+  if (t >= teams) return;
+  const longlong2* pair = reinterpret_cast<const longlong2*>(offsets + 4 * t);
+  const longlong2 a = pair[0], b = pair[1];
+  const int64_t at[4] = {a.x, a.y, b.x, b.y};
+  uint4 r[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) r[k] = __ldg(reinterpret_cast<const uint4*>(value + at[k] + 16 * lane));
+  __half2* s = reinterpret_cast<__half2*>(&r[0]);
+#pragma unroll
+  for (int k = 1; k < 4; ++k) {
+    const __half2* v = reinterpret_cast<const __half2*>(&r[k]);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) s[i] = __hadd2(s[i], v[i]);
+  }
+  out[4 * t + lane] = r[0];
+}
+
+void run(torch::Tensor value, torch::Tensor offsets, torch::Tensor out) {
+  const int64_t teams = offsets.numel() / 4;
+  const int threads = 256;
+  gather_rows<<<static_cast<unsigned>((teams * 4 + threads - 1) / threads), threads>>>(
+      static_cast<const char*>(value.data_ptr()), offsets.data_ptr<int64_t>(),
+      reinterpret_cast<uint4*>(out.data_ptr()), teams);
+}
+"""
+
+
+def corner_keys(height: int, width: int, heads: int, points: int, batch: int, seed: int, device) -> torch.Tensor:
+    """Key of each point's top-left corner, [batch, queries, heads, points] (queries = the level's
+    pixels in raster order, each sampling around its own centre), clamped so all 4 corners exist."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    ys, xs = torch.meshgrid(torch.arange(height, device=device), torch.arange(width, device=device), indexing="ij")
+    centre = torch.stack([xs.flatten() + 0.5, ys.flatten() + 0.5], -1).float()
+    q = height * width
+    loc = centre.view(1, q, 1, 1, 2) + 2.0 * torch.randn(batch, q, heads, points, 2, device=device, generator=g)
+    x0 = (loc[..., 0] - 0.5).floor().clamp(0, width - 2).long()
+    y0 = (loc[..., 1] - 0.5).floor().clamp(0, height - 2).long()
+    return y0 * width + x0
+
+
+def row_offset(layout: str, key: torch.Tensor, head: torch.Tensor, keys: int, heads: int) -> torch.Tensor:
+    """Byte offset of (key, head)'s row in the layout's value."""
+    if layout == "head_major":
+        return (head * keys + key) * ROW_BYTES
+    key_bytes = heads * ROW_BYTES + (ROW_BYTES if layout == "padded_key_stride" else 0)
+    return key * key_bytes + head * ROW_BYTES
+
+
+def value_bytes(layout: str, keys: int, heads: int) -> int:
+    key_bytes = heads * ROW_BYTES + (ROW_BYTES if layout == "padded_key_stride" else 0)
+    return keys * (heads * ROW_BYTES if layout == "head_major" else key_bytes)
+
+
+def team_offsets(layout: str, key0: torch.Tensor, width: int, keys: int) -> torch.Tensor:
+    """[teams, 4] corner row offsets in the order the warps take them: consecutive teams are
+    consecutive queries of one (batch, head, point), or for two_heads_per_warp groups of 4 queries
+    of heads (2j, 2j + 1) in turn, so that a warp's 8 teams cover both."""
+    batch, queries, heads, points = key0.shape
+    head = torch.arange(heads, device=key0.device).view(1, 1, heads, 1).expand_as(key0)
+    corners = torch.stack([key0, key0 + 1, key0 + width, key0 + width + 1], -1)  # [b, q, h, p, 4]
+    rows = row_offset(layout, corners, head.unsqueeze(-1), keys, heads)
+    if layout != "two_heads_per_warp":
+        return rows.permute(0, 2, 3, 1, 4).reshape(-1, 4).contiguous()  # b, h, p, q
+    half = TEAMS_PER_WARP // 2
+    if queries % half or heads % 2:
+        raise ValueError(f"two_heads_per_warp takes queries in fours and heads in pairs, not {queries} and {heads}")
+    r = rows.view(batch, -1, half, heads // 2, 2, points, 4)  # b, query group, query, head pair, head, p
+    return r.permute(0, 3, 5, 1, 4, 2, 6).reshape(-1, 4).contiguous()  # b, pair, p, group, head, query
+
+
+def bank_halves(offsets: torch.Tensor) -> torch.Tensor:
+    """Which half of the 32 banks (0 or 1) each row starts in."""
+    return (offsets % LINE_BYTES) // ROW_BYTES
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layouts", nargs="*", choices=LAYOUTS, default=list(LAYOUTS))
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--iters", type=int, default=50)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print("l1_gather_banks needs a CUDA GPU", file=sys.stderr)
+        return 2
+    from torch.utils.cpp_extension import load_inline
+
+    module = load_inline(
+        "l1_gather_banks", "void run(torch::Tensor value, torch::Tensor offsets, torch::Tensor out);",
+        cuda_sources=KERNEL, functions=["run"], extra_cuda_cflags=["-O3", "-gencode=arch=compute_90a,code=sm_90a"],
+    )
+    device = torch.device("cuda")
+    height, width, heads, points = 100, 152, 8, 16
+    keys = height * width
+    key0 = corner_keys(height, width, heads, points, args.batch, 0, device)
+    print(f"{torch.cuda.get_device_name(device)}; {key0.numel()} points of 4 corner rows")
+    for layout in args.layouts:
+        offsets = team_offsets(layout, key0, width, keys)
+        value = torch.randn(value_bytes(layout, keys, heads) // 2, device=device).half()
+        out = torch.empty(offsets.shape[0] * ROW_BYTES, dtype=torch.uint8, device=device)
+        samples, mode = bench_common.time_calls(device, [lambda v=value, o=offsets, r=out: module.run(v, o, r)], args.warmup, args.iters)
+        if samples:
+            summary = bench_common.summarize([ms * 1000.0 for ms in samples], unit="us")
+            print(f"{layout:20} median {summary['median_us']:8.1f} us   p90 {summary['p90_us']:8.1f} us   ({mode})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
