@@ -17,7 +17,7 @@ each of a point's 4 corner rows and writes their sum; the corners' byte offsets 
 - `one_head_per_warp`: mmcv's layout, a warp's 8 teams on 8 consecutive queries of one head (the
   forward's teams today);
 - `two_heads_per_warp`: the same value, a warp's teams on 4 queries of two heads of opposite
-  bank halves;
+  bank halves, alternating team by team (so also within each quarter warp's load phase);
 - `padded_key_stride`: 576-byte keys, so consecutive keys' rows alternate bank halves;
 - `head_major`: value transposed to heads x keys x channels.
 
@@ -104,8 +104,9 @@ def value_bytes(layout: str, keys: int, heads: int) -> int:
 
 def team_offsets(layout: str, key0: torch.Tensor, width: int, keys: int) -> torch.Tensor:
     """[teams, 4] corner row offsets in the order the warps take them: consecutive teams are
-    consecutive queries of one (batch, head, point), or for two_heads_per_warp groups of 4 queries
-    of heads (2j, 2j + 1) in turn, so that a warp's 8 teams cover both."""
+    consecutive queries of one (batch, head, point), or for two_heads_per_warp 4 queries of heads
+    (2j, 2j + 1), the heads alternating team by team: every quarter warp (two teams, one 128-bit
+    load phase) then reads one row of each bank half, as does the warp."""
     batch, queries, heads, points = key0.shape
     head = torch.arange(heads, device=key0.device).view(1, 1, heads, 1).expand_as(key0)
     corners = torch.stack([key0, key0 + 1, key0 + width, key0 + width + 1], -1)  # [b, q, h, p, 4]
@@ -116,7 +117,7 @@ def team_offsets(layout: str, key0: torch.Tensor, width: int, keys: int) -> torc
     if queries % half or heads % 2:
         raise ValueError(f"two_heads_per_warp takes queries in fours and heads in pairs, not {queries} and {heads}")
     r = rows.view(batch, -1, half, heads // 2, 2, points, 4)  # b, query group, query, head pair, head, p
-    return r.permute(0, 3, 5, 1, 4, 2, 6).reshape(-1, 4).contiguous()  # b, pair, p, group, head, query
+    return r.permute(0, 3, 5, 1, 2, 4, 6).reshape(-1, 4).contiguous()  # b, pair, p, group, query, head
 
 
 def bank_halves(offsets: torch.Tensor) -> torch.Tensor:

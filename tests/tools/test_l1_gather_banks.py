@@ -57,6 +57,7 @@ def test_a_warp_of_one_head_uses_one_bank_half_and_of_two_heads_both(key0):
     assert bool((one == one[:, :1]).all())  # every team of a warp in the first team's half
     two = warps("two_heads_per_warp")
     assert bool((two.sum(1) == tool.TEAMS_PER_WARP // 2).all())  # 4 teams in each half, per corner
+    assert bool((two[:, 0::2] != two[:, 1::2]).all())  # and each quarter warp's two teams apart
 
 
 def test_padded_keys_and_head_major_alternate_halves_with_the_key():
