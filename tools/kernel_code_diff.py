@@ -8,7 +8,9 @@ tools/resource_report.py, for --arch), and every kernel's .text section is compa
 A kernel whose code is identical keeps every measurement of the older tree, so a change meant for a
 few kernels can show that device results of the rest carry over (perf_notes.md, session 24). OLD
 may be a directory or a git revision (exported with `git archive`); NEW defaults to this checkout.
-Both trees compile with this checkout's flags. Exits 1 when a source fails to compile.
+Both trees compile with this checkout's flags. A kernel that gained template arguments (a template
+parameter added with a default) is compared with the kernel it was, matched by its demangled name.
+Exits 1 when a source fails to compile.
 """
 
 from __future__ import annotations
@@ -93,6 +95,56 @@ def compare(old: dict[str, bytes], new: dict[str, bytes]) -> Comparison:
     return result
 
 
+def split_kernel_name(demangled: str) -> tuple[str, list[str], str] | None:
+    """'void ns::k<A, B<C, D> >(P)' -> ('void ns::k', ['A', 'B<C, D>'], '(P)'); None without a
+    template argument list right before the parameters."""
+    if not demangled.endswith(")"):
+        return None
+    depth, start = 0, None
+    for i in range(len(demangled) - 1, -1, -1):  # the parameters' opening parenthesis
+        depth += {")": 1, "(": -1}.get(demangled[i], 0)
+        if depth == 0:
+            start = i
+            break
+    if not start or demangled[start - 1] != ">":
+        return None
+    depth, args, arg_start = 0, [], start - 1
+    for i in range(start - 1, -1, -1):  # the template arguments, split at their top-level commas
+        c = demangled[i]
+        if c == ">":
+            depth += 1
+            if depth == 1:
+                arg_start = i
+                continue
+        elif c == "<":
+            depth -= 1
+            if depth == 0:
+                args.insert(0, demangled[i + 1 : arg_start].strip())
+                return demangled[:i], args, demangled[start:]
+        elif c == "," and depth == 1:
+            args.insert(0, demangled[i + 1 : arg_start].strip())
+            arg_start = i
+    return None
+
+
+def renamed_pairs(only_old: dict[str, str], only_new: dict[str, str]) -> list[tuple[str, str]]:
+    """(old, new) symbol pairs, from {symbol: demangled name}, where the new kernel is the old one with
+    template arguments appended (a template parameter added with a default): same name, same
+    parameters, the old arguments first."""
+    pairs = []
+    for old_symbol, old_name in only_old.items():
+        old_parts = split_kernel_name(old_name)
+        if old_parts is None:
+            continue
+        for new_symbol, new_name in only_new.items():
+            new_parts = split_kernel_name(new_name)
+            if (new_parts is not None and new_parts[0] == old_parts[0] and new_parts[2] == old_parts[2]
+                    and len(new_parts[1]) > len(old_parts[1]) and new_parts[1][: len(old_parts[1])] == old_parts[1]):
+                pairs.append((old_symbol, new_symbol))
+                break
+    return pairs
+
+
 def exported(revision: str, folder: Path) -> Path:
     archive = subprocess.run(["git", "archive", revision], cwd=ROOT, capture_output=True, check=True).stdout
     subprocess.run(["tar", "-x", "-C", str(folder)], input=archive, check=True)
@@ -123,11 +175,22 @@ def main(argv=None) -> int:
             result = compare(old_kernels, new_kernels)
             symbols = {normalized(k): k for k in [*old_kernels, *new_kernels]}
             readable = dict(zip(symbols, resource_report.demangle(list(symbols.values()))))
+            old_text = {normalized(k): v for k, v in old_kernels.items()}
+            new_text = {normalized(k): v for k, v in new_kernels.items()}
+            renamed = renamed_pairs({n: readable[n] for n in result.only_old}, {n: readable[n] for n in result.only_new})
+            for old_name, new_name in renamed:
+                result.only_old.remove(old_name)
+                result.only_new.remove(new_name)
+                (result.identical if old_text[old_name] == new_text[new_name] else result.changed).append(new_name)
             print(f"{source}: {len(result.identical)} identical, {len(result.changed)} changed, "
-                  f"{len(result.only_old)} removed, {len(result.only_new)} added")
+                  f"{len(result.only_old)} removed, {len(result.only_new)} added"
+                  + (f" ({len(renamed)} matched to a kernel that gained template arguments)" if renamed else ""))
             for label, names in (("changed", result.changed), ("removed", result.only_old), ("added", result.only_new)):
                 for name in names:
                     print(f"  {label}: {resource_report.shorten(readable[name], 160)}")
+            for old_name, new_name in renamed:
+                state = "identical" if old_text[old_name] == new_text[new_name] else "changed"
+                print(f"  {state}, was without its last template arguments: {resource_report.shorten(readable[new_name], 160)}")
     return 1 if failed else 0
 
 

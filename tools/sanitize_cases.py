@@ -9,8 +9,8 @@ Covers every dtype, the fast and the deterministic backward (its sorted value gr
 outside the levels, and for tma_ws every compiled variant with windows (TMA windows, and the MMA
 backward's accumulation windows) on encoder problems (one query per pixel: pixel-block tiles;
 sampled locally, and uniformly over a level larger than four windows) and a decoder one, the
-tensor-core gather forward configs, and the windowless forward configs on a decoder. Prints one
-line per case; any error the tool finds is reported by compute-sanitizer itself.
+tensor-core gather forward configs, the windowless forward configs on a decoder and the head-pair
+ones on encoders. Prints one line per case; any error the tool finds is reported by compute-sanitizer itself.
 """
 
 import argparse
@@ -58,40 +58,49 @@ def window_variants(dtype: torch.dtype) -> None:
             print(f"tma_ws  {str(dtype):15} {locality:8} {name}: ok")
 
 
+def cuda_args(levels, queries: int, heads: int, points: int, dtype: torch.dtype, seed: int, locality: str) -> tuple:
+    """The op's inputs for a problem of 32-channel heads, batch 2, on the GPU."""
+    g = torch.Generator().manual_seed(seed)
+    problem = make_problem(levels, batch=2, queries=queries, heads=heads, channels=32, points=points, dtype=dtype,
+                           generator=g, locality=locality)
+    return problem.to(device="cuda", dtype=dtype, coord_dtype=problem.sampling_locations.dtype).args()
+
+
+def forward_configs(args: tuple, dtype: torch.dtype, label: str, selected) -> None:
+    """Every tma_ws forward config whose name `selected` accepts, on the inputs `args`."""
+    for index, name in enumerate(kernel_configs("tma_ws", "forward")):
+        if selected(name):
+            ops.ms_deform_attn_forward(*args, "tma_ws", index)
+            torch.cuda.synchronize()
+            print(f"tma_ws  {str(dtype):15} {label:8} {name}: ok")
+
+
 def tensor_core_variants(dtype: torch.dtype) -> None:
     """tma_ws's tensor-core gather forward configs (`tc_*`, fp16/bf16 rows of 32 channels): 12 points
     per item (padding lanes), 40 (the step loop) and an encoder; points outside the levels."""
     cases = (("p4_l3", [(9, 13), (5, 7), (3, 4)], 4, 40), ("p8_l5", [(8, 8), (4, 4), (2, 2), (1, 2), (1, 1)], 8, 33),
              ("encoder", [(9, 13), (5, 7), (3, 4)], 4, 9 * 13 + 5 * 7 + 3 * 4))
-    names = kernel_configs("tma_ws", "forward")
     for label, levels, points, queries in cases:
-        g = torch.Generator().manual_seed(2)
-        problem = make_problem(levels, batch=2, queries=queries, heads=3, channels=32, points=points, dtype=dtype,
-                               generator=g, locality="uniform")
-        args = problem.to(device="cuda", dtype=dtype, coord_dtype=problem.sampling_locations.dtype).args()
-        for index, name in enumerate(names):
-            if name.startswith("tc_"):
-                ops.ms_deform_attn_forward(*args, "tma_ws", index)
-                torch.cuda.synchronize()
-                print(f"tma_ws  {str(dtype):15} {label:8} {name}: ok")
+        args = cuda_args(levels, queries, 3, points, dtype, seed=2, locality="uniform")
+        forward_configs(args, dtype, label, lambda name: name.startswith("tc_"))
 
 
 def lean_variants(dtype: torch.dtype) -> None:
     """tma_ws's windowless forward configs (`_l1`) on decoders sampled uniformly (corners outside the
     levels): 4 points a level, where 16-query tiles give the half-precision one-slot kernel a tile's
     coordinates held in its producer's registers, and 5 (a point left over after the pairs)."""
-    levels = [(9, 13), (5, 7), (3, 4)]
-    names = kernel_configs("tma_ws", "forward")
     for points in (4, 5):
-        g = torch.Generator().manual_seed(3)
-        problem = make_problem(levels, batch=2, queries=45, heads=2, channels=32, points=points, dtype=dtype,
-                               generator=g, locality="uniform")
-        args = problem.to(device="cuda", dtype=dtype, coord_dtype=problem.sampling_locations.dtype).args()
-        for index, name in enumerate(names):
-            if "_l1" in name:
-                ops.ms_deform_attn_forward(*args, "tma_ws", index)
-                torch.cuda.synchronize()
-                print(f"tma_ws  {str(dtype):15} lean_p{points} {name}: ok")
+        args = cuda_args([(9, 13), (5, 7), (3, 4)], 45, 2, points, dtype, seed=3, locality="uniform")
+        forward_configs(args, dtype, f"lean_p{points}", lambda name: "_l1" in name)
+
+
+def head_pair_variants(dtype: torch.dtype) -> None:
+    """tma_ws's head-pair forward configs (`_hp`) on encoders whose levels end in partial pixel
+    blocks, sampled locally and uniformly (corners outside the levels), with one and two pairs."""
+    levels = [(9, 13), (5, 7), (3, 4)]
+    for heads, locality in ((2, "encoder"), (4, "uniform")):
+        args = cuda_args(levels, num_keys(levels), heads, 4, dtype, seed=4, locality=locality)
+        forward_configs(args, dtype, f"head_pairs_h{heads}_{locality}", lambda name: name.endswith("_hp"))
 
 
 def main(argv=None) -> int:
@@ -133,6 +142,8 @@ def main(argv=None) -> int:
         for dtype in (torch.float16, torch.bfloat16):
             tensor_core_variants(dtype)
             lean_variants(dtype)
+        for dtype in (torch.float16, torch.float32):
+            head_pair_variants(dtype)
     return 0
 
 

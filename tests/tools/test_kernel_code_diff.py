@@ -77,3 +77,20 @@ def test_two_trees_name_the_kernel_that_changed(tmp_path, capsys):
     assert "changed: scale(float*)" in out
     assert kernel_code_diff.main([str(old), str(old), "--sources", source]) == 0
     assert f"{source}: 2 identical, 0 changed" in capsys.readouterr().out
+
+
+def test_kernel_names_split_into_name_template_arguments_and_parameters():
+    name = "void ns::(anonymous namespace)::k<float, B<C, D>, 2>(float*, ns::Problem<float>, int)"
+    assert kernel_code_diff.split_kernel_name(name) == (
+        "void ns::(anonymous namespace)::k", ["float", "B<C, D>", "2"], "(float*, ns::Problem<float>, int)")
+    assert kernel_code_diff.split_kernel_name("void plain(int)") is None
+    assert kernel_code_diff.split_kernel_name("not a function") is None
+
+
+def test_a_kernel_that_gained_template_arguments_pairs_with_what_it_was():
+    old = {"a": "void ns::k<__half, 2>(__half*, P<__half>)", "b": "void ns::k<float, 2>(float*, P<float>)",
+           "c": "void ns::gone<int>(int)"}
+    new = {"x": "void ns::k<__half, 2, false>(__half*, P<__half>)", "y": "void ns::k<__half, 2, true>(__half*, P<__half>)",
+           "z": "void ns::k<float, 2, false>(double*, P<float>)", "w": "void ns::other<int, 1>(int)"}
+    # the first match per old kernel; z's parameters differ from b's, w's name from c's
+    assert kernel_code_diff.renamed_pairs(old, new) == [("a", "x")]
