@@ -31,7 +31,8 @@ def executable(path: Path, text: str) -> None:
 class StandIns:
     """A folder of stand-in commands first on PATH. python3 records one line per call:
     'CUDA_VISIBLE_DEVICES|cores|MMDEFORM_TMA_TEST_BACKENDS| arguments', where cores is the list a
-    taskset before it pinned the call to (empty: none); taskset runs the command so; nproc says 32."""
+    taskset before it pinned the call to (empty: none); taskset runs the command so; nproc says 32;
+    ncu records '||| ncu arguments'."""
 
     def __init__(self, tmp_path: Path):
         self.bin = tmp_path / "bin"
@@ -47,6 +48,8 @@ class StandIns:
             self.bin / "taskset", '#!/usr/bin/env bash\n[ "$1" = -c ] && export PINNED_TO=$2\nshift 2\nexec "$@"\n'
         )
         executable(self.bin / "nproc", "#!/usr/bin/env bash\necho 32\n")
+        # ncu records itself with what it would profile, as one call (it runs nothing)
+        executable(self.bin / "ncu", f'#!/usr/bin/env bash\necho "||| ncu $*" >> "{self.calls}"\n')
         self.gpus(2)
 
     def gpus(self, count: int) -> None:
