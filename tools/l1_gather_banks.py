@@ -157,6 +157,13 @@ def bank_halves(offsets: torch.Tensor) -> torch.Tensor:
     return (offsets % LINE_BYTES) // ROW_BYTES
 
 
+def warps_in_both_halves(offsets: torch.Tensor) -> float:
+    """Of a layout's warp-wide row loads ([points, teams] row offsets, 8 teams a warp), the share
+    whose rows start in both halves of the banks."""
+    halves = bank_halves(offsets).view(offsets.shape[0], -1, TEAMS_PER_WARP)
+    return float((halves.amin(-1) != halves.amax(-1)).float().mean())
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layouts", nargs="*", choices=LAYOUTS, default=list(LAYOUTS))
@@ -173,9 +180,8 @@ def main(argv=None) -> int:
         return 2
     from torch.utils.cpp_extension import load_inline
 
-    module = load_inline(
-        "l1_gather_banks", SIGNATURE, cuda_sources=KERNEL, functions=["run"], extra_cuda_cflags=["-O3", "-gencode=arch=compute_90a,code=sm_90a"],
-    )
+    module = load_inline("l1_gather_banks", SIGNATURE, cuda_sources=KERNEL, functions=["run"],
+                         extra_cuda_cflags=["-O3", "-gencode=arch=compute_90a,code=sm_90a"])
     device = torch.device("cuda")
     height, width, heads, points = 100, 152, 8, 16
     keys = height * width
@@ -185,6 +191,7 @@ def main(argv=None) -> int:
         keys_at, heads_at = team_points(layout, key0)
         packed = pack(keys_at, heads_at)
         key_bytes, head_bytes = strides(layout, keys, heads)
+        both = warps_in_both_halves(row_offset(layout, keys_at, heads_at, keys, heads))
         value = torch.randn(value_bytes(layout, keys, heads) // 2, device=device).half()
         out = torch.empty(packed.shape[1] * ROW_BYTES, dtype=torch.uint8, device=device)
 
@@ -194,7 +201,8 @@ def main(argv=None) -> int:
         samples, mode = bench_common.time_calls(device, [call], args.warmup, args.iters)
         if samples:
             summary = bench_common.summarize([ms * 1000.0 for ms in samples], unit="us")
-            print(f"{layout:20} median {summary['median_us']:8.1f} us   p90 {summary['p90_us']:8.1f} us   ({mode})")
+            print(f"{layout:20} median {summary['median_us']:8.1f} us   p90 {summary['p90_us']:8.1f} us   "
+                  f"warp loads in both bank halves {100 * both:5.1f} %   ({mode})")
     return 0
 
 

@@ -377,6 +377,18 @@ def tensor_core_forward_reason(name: str, problem) -> str | None:
     return None
 
 
+def forward_configs_against_float64(problem, configs: list[str]) -> dict[str, torch.Tensor]:
+    """Each named tma_ws forward config's output, checked against float64 (FA3's rule for fp16 and
+    bf16: at most 1.5x the output's own rounding error)."""
+    exact = gather_reference(*[t.double() if t.is_floating_point() else t for t in problem.args()])
+    names = kernel_configs("tma_ws", "forward")
+    outputs = {}
+    for name in configs:
+        outputs[name] = torch.ops.mmdeform_tma.ms_deform_attn_forward(*problem.args(), "tma_ws", names.index(name))
+        check(outputs[name], exact, f"{name} output")
+    return outputs
+
+
 def head_pair_forward_configs() -> list[str]:
     return [name for name in kernel_configs("tma_ws", "forward") if name.endswith("_hp")]
 
@@ -410,12 +422,9 @@ def test_tma_ws_head_pair_forward_against_float64_and_bitwise_its_plain_config(c
     query's points are summed in the same order, only the teams that do it differ."""
     problem = cuda_problem(case, dtype, seed=59)
     skip_unless_supported("tma_ws", validate(*problem.args()))
-    exact = gather_reference(*[t.double() if t.is_floating_point() else t for t in problem.args()])
-    names = kernel_configs("tma_ws", "forward")
     assert len(head_pair_forward_configs()) >= 4
-    for name in head_pair_forward_configs():
-        out = torch.ops.mmdeform_tma.ms_deform_attn_forward(*problem.args(), "tma_ws", names.index(name))
-        check(out, exact, f"{name} output")
+    names = kernel_configs("tma_ws", "forward")
+    for name, out in forward_configs_against_float64(problem, head_pair_forward_configs()).items():
         plain = torch.ops.mmdeform_tma.ms_deform_attn_forward(*problem.args(), "tma_ws", names.index(name[:-3] + "_l1"))
         assert torch.equal(out, plain), name
 
@@ -452,12 +461,8 @@ def test_tma_ws_tensor_core_forward_against_float64(case, dtype):
     the output's own rounding error)."""
     problem = cuda_problem(case, dtype, seed=37)
     skip_unless_supported("tma_ws", validate(*problem.args()))
-    exact = gather_reference(*[t.double() if t.is_floating_point() else t for t in problem.args()])
-    names = kernel_configs("tma_ws", "forward")
     assert len(tensor_core_forward_configs()) >= 2
-    for name in tensor_core_forward_configs():
-        out = torch.ops.mmdeform_tma.ms_deform_attn_forward(*problem.args(), "tma_ws", names.index(name))
-        check(out, exact, f"{name} output")
+    forward_configs_against_float64(problem, tensor_core_forward_configs())
 
 
 @pytest.mark.parametrize("magnitude", [1e-3, 1.0, 3e5])

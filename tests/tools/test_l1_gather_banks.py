@@ -68,6 +68,12 @@ def test_a_warp_of_one_head_uses_one_bank_half_and_of_two_heads_both(key0):
     assert bool((heads == heads[..., :1] + torch.arange(tool.TEAMS_PER_WARP) % 2).all())
 
 
+def test_the_share_of_warp_loads_in_both_halves_is_none_for_one_head_and_all_for_two(key0):
+    assert tool.warps_in_both_halves(first_rows("one_head_per_warp", key0)) == 0.0
+    assert tool.warps_in_both_halves(first_rows("two_heads_per_warp", key0)) == 1.0
+    assert 0.0 < tool.warps_in_both_halves(first_rows("padded_key_stride", key0)) < 1.0
+
+
 def test_padded_keys_and_head_major_alternate_halves_with_the_key():
     key = torch.arange(8)
     head = torch.full_like(key, 3)

@@ -62,8 +62,8 @@ struct TensorCoreForwardConfig {
 };
 const std::vector<TensorCoreForwardConfig>& tensor_core_forward_configs();
 
-// Forward only: the windowless kernel's head-pair configs (Config::head_pairs), not measured yet,
-// so that the tuning tables never name them.
+// Forward only: the windowless kernel's head-pair configs (Config::head_pairs). Not measured yet:
+// no tuning table names them.
 const std::vector<Config>& head_pair_forward_configs();
 
 // configs() entries that both directions run: the forward's index i < shared_config_count() is
