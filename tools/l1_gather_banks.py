@@ -46,6 +46,7 @@ TEAMS_PER_WARP = 8
 LAYOUTS = ("one_head_per_warp", "two_heads_per_warp", "padded_key_stride", "head_major")
 
 KERNEL = r"""
+#include <ATen/cuda/CUDAContext.h>
 #include <cstdint>
 #include <cuda_fp16.h>
 // Team t (4 lanes) sums 16 bytes of each of its points' 4 corner rows, then writes its 64-byte row
@@ -86,7 +87,9 @@ void run(torch::Tensor value, torch::Tensor packed, torch::Tensor out, int64_t w
          int64_t head_bytes) {
   const int64_t points = packed.size(0), teams = packed.size(1);
   const int threads = 256;
-  gather_rows<<<static_cast<unsigned>((teams * 4 + threads - 1) / threads), threads>>>(
+  // the current stream, which a graph capture records (the legacy stream escaped it: session 55)
+  gather_rows<<<static_cast<unsigned>((teams * 4 + threads - 1) / threads), threads, 0,
+                at::cuda::getCurrentCUDAStream()>>>(
       static_cast<const char*>(value.data_ptr()), packed.data_ptr<int32_t>(), reinterpret_cast<uint4*>(out.data_ptr()),
       teams, static_cast<int>(points), static_cast<int>(width), key_bytes, head_bytes);
 }

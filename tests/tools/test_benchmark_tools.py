@@ -478,6 +478,20 @@ def test_autotune_partial_run_keeps_the_configs_it_did_not_time():
     assert merged == [{"config": "b", "ms": 0.5}, {"config": "a", "ms": 1.0}, {"config": "d", "ms": 2.0}]
 
 
+def test_autotune_checks_encoders_on_one_whole_image_and_decoders_on_a_query_subset():
+    import autotune
+    from benchmark_op import Shape, make_inputs
+
+    levels = ((6, 5), (3, 3))
+    encoder = make_inputs(Shape("enc", levels, 2, None, heads=2, channels=4, points=2), torch.float32, "local", torch.device("cpu"), 0)
+    value, _, _, loc, _ = autotune.Checker(encoder, 7).args
+    # still self-attention (one query per key), so the head-pair configs are checked, not rejected
+    assert value.shape[0] == loc.shape[0] == 1 and loc.shape[1] == value.shape[1] == 39
+    decoder = make_inputs(Shape("dec", levels, 2, 20, heads=2, channels=4, points=2), torch.float32, "local", torch.device("cpu"), 0)
+    value, _, _, loc, attn = autotune.Checker(decoder, 7).args
+    assert value.shape[0] == loc.shape[0] == 2 and loc.shape[1] == attn.shape[1] == 7
+
+
 def test_autotune_needs_a_gpu():
     if torch.cuda.is_available():
         pytest.skip("a GPU is present")
