@@ -57,8 +57,8 @@ class Checker:
 
     The subset is the first `queries` queries of every batch element, except for encoder
     self-attention (as many queries as keys): there it is every query of the first element, so that
-    it stays self-attention and the configs that take only that (the head-pair forward) are checked
-    too, rather than rejected for the subset's shape."""
+    the kernels take the pixel-block tiles they are timed on, not the strips of a query subset (and
+    configs that take only self-attention are checked, not rejected: session 55)."""
 
     def __init__(self, inputs, queries: int):
         value, shapes_t, starts, loc, attn = inputs

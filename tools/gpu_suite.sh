@@ -40,11 +40,8 @@
 #                             (default 2: rounds alternate, so clock drift reaches both), and tools/ab_compare.py
 #                             writes each row's change and the deterministic-over-fast ratios to $OUT/ab_op.md.
 #                             Run it after `build`. (Sessions 50-53 ran these commands from a scratch script.)
-#   head_pairs                item 134: tools/l1_gather_banks.py timed and under ncu (L1 wavefronts), the head-pair
-#                             forward configs' GPU tests, then tools/autotune.py's forward on the bs 2 and bs 8
-#                             encoders over HEAD_PAIR_CONFIGS (the plain windowless configs beside their `_hp`
-#                             twins) into $OUT/table_head_pairs.json, so that the package's table is untouched.
-#                             Run it after `build`; the sanitizer cases (`sanitize`) cover the `_hp` configs too
+#   l1_banks                  item 134: tools/l1_gather_banks.py timed and under ncu (L1 wavefronts of a warp's
+#                             row gathers in one bank half or both). Needs no build
 #   bench graph               tools/benchmark_op.py (BENCH_ARGS); tools/cuda_graph_train_step.py
 #   autotune                  tools/autotune.py over AUTOTUNE_BACKENDS (default tma_ws cuda), forward,
 #                             backward and the deterministic backward; rewrites this GPU's table
@@ -189,10 +186,8 @@ if has ab_op; then
     status=1
   fi
 fi
-if has head_pairs; then
-  # Item 134: does L1 serve rows of both bank halves in one wavefront (the microbenchmark, timed and
-  # under ncu), and do the head-pair forward configs win on the encoders (their tests, their
-  # sanitizer cases, then the forward against the plain configs into a copy of the table)?
+if has l1_banks; then
+  # Item 134: L1 wavefronts of a warp's 64-byte row gathers, rows in one bank half or in both.
   run l1_banks 300 python3 tools/l1_gather_banks.py
   if command -v ncu >/dev/null; then
     run l1_banks_ncu 300 ncu --clock-control none --kernel-name gather_rows --metrics \
@@ -202,11 +197,6 @@ if has head_pairs; then
     echo "=== l1_banks_ncu: no ncu on PATH"
     status=1
   fi
-  run tests_head_pairs ${TEST_TIMEOUT:-900} env MMDEFORM_TMA_TEST_BACKENDS=tma_ws $PYTEST tests/backends \
-    -k "head_pair or every_tma_ws_config"
-  run head_pairs_autotune ${AUTOTUNE_TIMEOUT:-900} python3 tools/autotune.py --presets detr_enc_bs2 detr_enc_bs8 \
-    --backends tma_ws --directions forward --configs ${HEAD_PAIR_CONFIGS:-c2_t32_s3_l1 c2_t32_s2_l1 c4_t64_s3_l1 c2_t32_s3_hp c2_t32_s2_hp c4_t64_s3_hp} \
-    --table "$OUT/table_head_pairs.json" --report "$OUT/autotune_head_pairs.json"
 fi
 if has host; then
   run host ${HOST_TIMEOUT:-300} python3 tools/benchmark_op.py --host-overhead --backends ${HOST_BACKENDS:-auto tma_ws cuda mmcv} \

@@ -9,8 +9,8 @@ its 128-byte line, so all 8 rows use the same 16 of L1's 32 banks.
         l1tex__t_requests_pipe_lsu_mem_global_op_ld.sum,gpu__time_duration.sum \\
         python tools/l1_gather_banks.py --iters 1 --warmup 0
 
-(ncu lists the launches in the order of --layouts, four a layout at --iters 1: bench_common's two
-warm-up calls before its graph capture, then the probe and the timed replay.)
+(ncu lists the launches in the order of --layouts, six a layout at --iters 1 on the H100 (session 55):
+bench_common's warm-up calls and graph replays, the same kernel on the same inputs.)
 
 Each layout gathers the same points: the bs 2 fp16 encoder's level 0 (100 x 152 keys, 8 heads,
 32 channels, 16 points a query around its pixel, N(0, 2 px)). A team of 4 lanes loads 16 bytes of

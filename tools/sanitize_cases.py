@@ -9,8 +9,8 @@ Covers every dtype, the fast and the deterministic backward (its sorted value gr
 outside the levels, and for tma_ws every compiled variant with windows (TMA windows, and the MMA
 backward's accumulation windows) on encoder problems (one query per pixel: pixel-block tiles;
 sampled locally, and uniformly over a level larger than four windows) and a decoder one, the
-tensor-core gather forward configs, the windowless forward configs on a decoder and the head-pair
-ones on encoders. Prints one line per case; any error the tool finds is reported by compute-sanitizer itself.
+tensor-core gather forward configs, and the windowless forward configs on a decoder. Prints one
+line per case; any error the tool finds is reported by compute-sanitizer itself.
 """
 
 import argparse
@@ -94,15 +94,6 @@ def lean_variants(dtype: torch.dtype) -> None:
         forward_configs(args, dtype, f"lean_p{points}", lambda name: "_l1" in name)
 
 
-def head_pair_variants(dtype: torch.dtype) -> None:
-    """tma_ws's head-pair forward configs (`_hp`) on encoders whose levels end in partial pixel
-    blocks, sampled locally and uniformly (corners outside the levels), with one and two pairs."""
-    levels = [(9, 13), (5, 7), (3, 4)]
-    for heads, locality in ((2, "encoder"), (4, "uniform")):
-        args = cuda_args(levels, num_keys(levels), heads, 4, dtype, seed=4, locality=locality)
-        forward_configs(args, dtype, f"head_pairs_h{heads}_{locality}", lambda name: name.endswith("_hp"))
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backends", nargs="*", default=["cuda", "tma_ws"])
@@ -142,8 +133,6 @@ def main(argv=None) -> int:
         for dtype in (torch.float16, torch.bfloat16):
             tensor_core_variants(dtype)
             lean_variants(dtype)
-        for dtype in (torch.float16, torch.float32):
-            head_pair_variants(dtype)
     return 0
 
 

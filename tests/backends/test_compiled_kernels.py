@@ -346,16 +346,15 @@ def test_every_tma_ws_config_against_float64(case, dtype):
     names = kernel_configs("tma_ws", "forward")
     assert len(names) >= 8
     for config, name in enumerate(names):
-        if reason := tensor_core_forward_reason(name, problem) or head_pair_forward_reason(name, problem):
+        if reason := tensor_core_forward_reason(name, problem):
             with pytest.raises(RuntimeError, match=reason):
                 torch.ops.mmdeform_tma.ms_deform_attn_forward(*problem.args(), "tma_ws", config)
             continue
         out = torch.ops.mmdeform_tma.ms_deform_attn_forward(*problem.args(), "tma_ws", config)
         check(out, answers[0], f"{name} output")
     backward_names = kernel_configs("tma_ws", "backward")
-    shared = [name for name in names if not name.startswith("tc_") and not name.endswith("_hp")]
-    # the forward-only configs come last: tensor-core gathers, then head pairs
-    assert list(names) == shared + tensor_core_forward_configs() + head_pair_forward_configs()
+    shared = [name for name in names if not name.startswith("tc_")]
+    assert list(names) == shared + tensor_core_forward_configs()  # the forward-only configs come last
     assert list(backward_names[: len(shared)]) == shared  # the backward-only configs come last
     for config, name in enumerate(backward_names):
         for deterministic in (False, True) if name.endswith("_g") or "_m16" in name else (False,):
@@ -377,68 +376,14 @@ def tensor_core_forward_reason(name: str, problem) -> str | None:
     return None
 
 
-def forward_configs_against_float64(problem, configs: list[str]) -> dict[str, torch.Tensor]:
-    """Each named tma_ws forward config's output, checked against float64 (FA3's rule for fp16 and
-    bf16: at most 1.5x the output's own rounding error)."""
+def forward_configs_against_float64(problem, configs: list[str]) -> None:
+    """Each named tma_ws forward config's output against float64 (FA3's rule for fp16 and bf16: at
+    most 1.5x the output's own rounding error)."""
     exact = gather_reference(*[t.double() if t.is_floating_point() else t for t in problem.args()])
     names = kernel_configs("tma_ws", "forward")
-    outputs = {}
     for name in configs:
-        outputs[name] = torch.ops.mmdeform_tma.ms_deform_attn_forward(*problem.args(), "tma_ws", names.index(name))
-        check(outputs[name], exact, f"{name} output")
-    return outputs
-
-
-def head_pair_forward_configs() -> list[str]:
-    return [name for name in kernel_configs("tma_ws", "forward") if name.endswith("_hp")]
-
-
-def head_pair_forward_reason(name: str, problem) -> str | None:
-    """The error a head-pair forward config (`_hp`) must raise for this problem, if any."""
-    if not name.endswith("_hp"):
-        return None
-    if problem.value.shape[2] % 2:
-        return "takes heads in pairs"
-    if problem.sampling_locations.shape[1] != problem.value.shape[1]:
-        return "takes encoder self-attention"
-    return None
-
-
-# Encoders whose levels end in partial pixel blocks: 8 heads (four pairs), 4 heads of 64 channels,
-# one pair, and uniform sampling (corners outside the levels).
-HEAD_PAIR_CASES = [
-    CASES[9],
-    CASES[10],
-    ("encoder_one_pair", [(9, 13), (5, 7), (3, 4)], 2, 9 * 13 + 5 * 7 + 3 * 4, 2, 32, 4, "encoder"),
-    ENCODER_UNIFORM,
-]
-
-
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
-@pytest.mark.parametrize("case", HEAD_PAIR_CASES, ids=lambda c: c[0])
-def test_tma_ws_head_pair_forward_against_float64_and_bitwise_its_plain_config(case, dtype):
-    """Every head-pair forward config (`_hp`: tiles of two heads, the heads alternating slot by slot)
-    against float64, and bit for bit the windowless config of the same warps, tile and stages: each
-    query's points are summed in the same order, only the teams that do it differ."""
-    problem = cuda_problem(case, dtype, seed=59)
-    skip_unless_supported("tma_ws", validate(*problem.args()))
-    assert len(head_pair_forward_configs()) >= 4
-    names = kernel_configs("tma_ws", "forward")
-    for name, out in forward_configs_against_float64(problem, head_pair_forward_configs()).items():
-        plain = torch.ops.mmdeform_tma.ms_deform_attn_forward(*problem.args(), "tma_ws", names.index(name[:-3] + "_l1"))
-        assert torch.equal(out, plain), name
-
-
-def test_tma_ws_head_pair_forward_refuses_odd_heads_and_cross_attention():
-    """A head-pair config raises its reason where it does not apply; it never falls back."""
-    names = kernel_configs("tma_ws", "forward")
-    name = head_pair_forward_configs()[0]
-    for case, reason in ((("encoder_h3", [(9, 13), (5, 7)], 1, 9 * 13 + 5 * 7, 3, 32, 4, "encoder"), "takes heads in pairs"),
-                         (CASES[0], "takes encoder self-attention")):
-        problem = cuda_problem(case, torch.float16, seed=61)
-        skip_unless_supported("tma_ws", validate(*problem.args()))
-        with pytest.raises(RuntimeError, match=reason):
-            torch.ops.mmdeform_tma.ms_deform_attn_forward(*problem.args(), "tma_ws", names.index(name))
+        out = torch.ops.mmdeform_tma.ms_deform_attn_forward(*problem.args(), "tma_ws", names.index(name))
+        check(out, exact, f"{name} output")
 
 
 # Decoders and encoders of 32-channel heads: 16 points per item (two unrolled steps), 12 (padding

@@ -485,7 +485,7 @@ def test_autotune_checks_encoders_on_one_whole_image_and_decoders_on_a_query_sub
     levels = ((6, 5), (3, 3))
     encoder = make_inputs(Shape("enc", levels, 2, None, heads=2, channels=4, points=2), torch.float32, "local", torch.device("cpu"), 0)
     value, _, _, loc, _ = autotune.Checker(encoder, 7).args
-    # still self-attention (one query per key), so the head-pair configs are checked, not rejected
+    # still self-attention (one query per key): the pixel-block tiles that the timed calls take
     assert value.shape[0] == loc.shape[0] == 1 and loc.shape[1] == value.shape[1] == 39
     decoder = make_inputs(Shape("dec", levels, 2, 20, heads=2, channels=4, points=2), torch.float32, "local", torch.device("cpu"), 0)
     value, _, _, loc, attn = autotune.Checker(decoder, 7).args

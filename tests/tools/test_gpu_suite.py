@@ -236,24 +236,18 @@ def test_ab_op_without_a_base_tree_runs_nothing_and_fails(suite, tmp_path):
     assert any("ab_op: no source tree" in line for line in printed)
 
 
-def test_head_pairs_step_measures_l1_banks_then_tests_and_tunes_the_pair_configs(suite):
-    calls = suite("head_pairs")
-    assert len(calls) == 4
-    timed, profiled, tests, tune = calls
+def test_l1_banks_step_times_the_microbenchmark_then_counts_its_wavefronts(suite):
+    timed, profiled = suite("l1_banks")
     assert timed.endswith(" tools/l1_gather_banks.py")
     assert "ncu --clock-control none --kernel-name gather_rows --metrics" in profiled
     assert "l1tex__data_pipe_lsu_wavefronts.sum" in profiled
     assert profiled.endswith("python3 tools/l1_gather_banks.py --warmup 0 --iters 1")
-    assert tests.startswith("tma_ws|") and "tests/backends -k head_pair or every_tma_ws_config" in tests
-    assert "tools/autotune.py --presets detr_enc_bs2 detr_enc_bs8 --backends tma_ws --directions forward" in tune
-    assert "--configs c2_t32_s3_l1 c2_t32_s2_l1 c4_t64_s3_l1 c2_t32_s3_hp c2_t32_s2_hp c4_t64_s3_hp" in tune
-    assert re.search(r"--table \S*/table_head_pairs\.json --report \S*/autotune_head_pairs\.json", tune)
 
 
-def test_head_pairs_step_without_ncu_says_so_and_fails(tmp_path):
+def test_l1_banks_step_without_ncu_says_so_and_fails(tmp_path):
     stand_ins = StandIns(tmp_path)
     path = stand_ins.without("ncu", tmp_path)
-    calls, stdout = stand_ins.run("tools/gpu_suite.sh", "head_pairs", env={"OUT": str(tmp_path / "out"), "PATH": path},
+    calls, stdout = stand_ins.run("tools/gpu_suite.sh", "l1_banks", env={"OUT": str(tmp_path / "out"), "PATH": path},
                                   expect_rc=1)
     assert "=== l1_banks_ncu: no ncu on PATH" in stdout
-    assert not any(" ncu " in call for call in calls) and len(calls) == 3
+    assert not any(" ncu " in call for call in calls) and len(calls) == 1

@@ -83,9 +83,8 @@ LaunchShape shape_for(const ProblemTensors& problem, const Config& config, int c
   const int teams = s.consumer_warps * 32 / s.team;
   s.slots_per_team = std::clamp(config.slots / teams, 1, max_slots_per_team);
   s.slots = teams * s.slots_per_team;
-  const int pixels = config.head_pairs ? std::max(1, s.slots / 2) : s.slots;  // a pixel block's
-  s.block_rows = 1 << (log2_exact(pixels) / 2);
-  s.block_cols = pixels / s.block_rows;
+  s.block_rows = 1 << (log2_exact(s.slots) / 2);
+  s.block_cols = s.slots / s.block_rows;
   s.block_cols_log2 = log2_exact(s.block_cols);
   s.pixel_tiles = problem.queries == problem.num_keys;
   s.stages = config.stages;
@@ -198,24 +197,6 @@ const std::vector<TensorCoreForwardConfig>& tensor_core_forward_configs() {
   return all;
 }
 
-const std::vector<Config>& head_pair_forward_configs() {
-  // The encoders' windowless configs of the H100 table (c2_t32_s3_l1, c2_t64_s3_l1) and their
-  // neighbours, as head pairs.
-  static const std::vector<Config> all = [] {
-    std::vector<Config> list;
-    for (int consumer_warps : {2, 4})
-      for (int slots : {32, 64})
-        for (int stages : {3, 2}) {
-          Config c{"c" + std::to_string(consumer_warps) + "_t" + std::to_string(slots) + "_s" + std::to_string(stages) + "_hp",
-                   consumer_warps, slots, stages, 0};
-          c.head_pairs = true;
-          list.push_back(c);
-        }
-    return list;
-  }();
-  return all;
-}
-
 int64_t shared_config_count() {
   static const int64_t count = [] {
     int64_t n = 0;
@@ -232,7 +213,6 @@ std::vector<std::string> config_names() {
   std::vector<std::string> names;
   for (int64_t i = 0; i < shared_config_count(); ++i) names.push_back(configs()[i].name);
   for (const auto& c : tensor_core_forward_configs()) names.push_back(c.name);
-  for (const auto& c : head_pair_forward_configs()) names.push_back(c.name);
   return names;
 }
 
@@ -284,23 +264,6 @@ LaunchShape launch_shape(const ProblemTensors& problem, int64_t config, int chun
                   " bytes of shared memory even in the smallest tile; the GPU allows ", num(limit));
     }
   }
-}
-
-LaunchShape head_pair_launch_shape(const ProblemTensors& problem, const Config& config, int chunk_bytes, int meta_size,
-                                   int max_slots_per_team) {
-  TORCH_CHECK(problem.heads % 2 == 0, "mmdeform_tma tma_ws: config ", config.name, " takes heads in pairs, not ",
-              num(problem.heads));
-  TORCH_CHECK(problem.queries == problem.num_keys, "mmdeform_tma tma_ws: config ", config.name,
-              " takes encoder self-attention (one query per key), not ", num(problem.queries), " queries over ",
-              num(problem.num_keys), " keys");
-  LaunchShape s = shape_for(problem, config, chunk_bytes, meta_size, max_slots_per_team, 0, false, 0);
-  TORCH_CHECK(s.slots % 2 == 0, "mmdeform_tma tma_ws: config ", config.name, " needs an even number of slots, not ",
-              num(s.slots));
-  const int limit = current_device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin);
-  TORCH_CHECK(s.total_bytes <= limit, "mmdeform_tma tma_ws: config ", config.name, " needs ", num(s.total_bytes),
-              " bytes of shared memory for ", num(problem.points), " points per level; the GPU allows ", num(limit));
-  s.heads_outer = tile_order_heads_outer(problem, s.slots, false);
-  return s;
 }
 
 LaunchShape spread_fallback_shape(const ProblemTensors& problem, const LaunchShape& mma, int chunk_bytes, int meta_size) {

@@ -41,11 +41,6 @@ struct Config {
   // window on the tensor cores and reduce each touched cell once (window_backward.cu). No value
   // window is loaded: corners come through L1.
   bool mma = false;
-  // Forward only, windowless, encoder self-attention: a tile is `slots` / 2 pixels of two heads
-  // (2j, 2j + 1), the heads alternating slot by slot, so that a warp's teams gather rows of both
-  // heads. In value's layout (keys x heads x channels) one head's 64-byte rows all start at the same
-  // offset in their 128-byte lines, in the same 16 of L1's 32 banks (perf_notes.md, item 134).
-  bool head_pairs = false;
 
   bool backward_only() const { return gather || ctas_per_sm != 3 || mma; }
 };
@@ -62,15 +57,11 @@ struct TensorCoreForwardConfig {
 };
 const std::vector<TensorCoreForwardConfig>& tensor_core_forward_configs();
 
-// Forward only: the windowless kernel's head-pair configs (Config::head_pairs). Not measured yet:
-// no tuning table names them.
-const std::vector<Config>& head_pair_forward_configs();
-
 // configs() entries that both directions run: the forward's index i < shared_config_count() is
 // configs()[i], as the backward's.
 int64_t shared_config_count();
-// The forward's configs: the shared ones, the tensor-core gather ones (forward index
-// shared_config_count() + i is tensor_core_forward_configs()[i]), then the head-pair ones.
+// The forward's configs: the shared ones, then the tensor-core gather ones (forward index
+// shared_config_count() + i is tensor_core_forward_configs()[i]).
 std::vector<std::string> config_names();
 std::vector<std::string> backward_config_names();  // all of configs(): the shared ones, then the backward-only ones
 
@@ -159,11 +150,6 @@ struct LaunchShape {
 LaunchShape launch_shape(const ProblemTensors& problem, int64_t config, int chunk_bytes, int meta_size,
                          int max_slots_per_team, bool backward, int gather_entry_size = 0, bool mma_kernel = false,
                          int flush_element_bytes = 0);
-
-// A head-pair forward config's geometry; throws with the reason where it does not apply (heads in
-// pairs, encoder self-attention, shared memory).
-LaunchShape head_pair_launch_shape(const ProblemTensors& problem, const Config& config, int chunk_bytes, int meta_size,
-                                   int max_slots_per_team);
 
 // The plain (direct) backward's geometry over the same tiles as `mma` (an MMA launch shape): the
 // kernel that takes the tiles of MMA CTAs whose sampling spreads (LaunchShape::spread_role). Its

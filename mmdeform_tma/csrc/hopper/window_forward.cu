@@ -197,7 +197,7 @@ __device__ __forceinline__ void write_lean_point(const LeanStage<coord_t>& meta,
 }
 
 // A stage's end: the output rows at the tile's last level, the level row's bytes, the arrival.
-template <bool kHeadPairs = false, typename scalar_t>
+template <typename scalar_t>
 __device__ __forceinline__ void finish_lean_stage(const Problem<scalar_t>& p, const Ring<coord_type<scalar_t>>& ring,
                                                   const LeanStage<coord_type<scalar_t>>& meta, const Tile& t,
                                                   const LevelGeometry& g, int level, int stage, uint32_t key_bytes) {
@@ -205,9 +205,8 @@ __device__ __forceinline__ void finish_lean_stage(const Problem<scalar_t>& p, co
   const int lane = threadIdx.x & 31;
   if (level == p.levels - 1) {
     for (int slot = lane; slot < s.slots; slot += 32) {
-      const int query = tile_query(t, s, kHeadPairs ? slot >> 1 : slot, p.queries);
-      const int head = kHeadPairs ? t.head + (slot & 1) : t.head;
-      meta.rows[slot] = query >= 0 ? (t.batch * p.queries + query) * p.heads + head : -1;
+      const int query = tile_query(t, s, slot, p.queries);
+      meta.rows[slot] = query >= 0 ? (t.batch * p.queries + query) * p.heads + t.head : -1;
     }
   }
   if (lane == 0) *lean_row_bytes(ring, stage) = static_cast<uint32_t>(g.width) * key_bytes;
@@ -215,7 +214,7 @@ __device__ __forceinline__ void finish_lean_stage(const Problem<scalar_t>& p, co
 }
 
 // One stage of the windowless producer, in batches of kBatch points per lane.
-template <int kBatch, bool kHeadPairs = false, typename scalar_t>
+template <int kBatch, typename scalar_t>
 __device__ __forceinline__ void produce_lean_stage(const Problem<scalar_t>& p, const Ring<coord_type<scalar_t>>& ring,
                                                    const Tile& t, int level, int stage, uint32_t key_bytes) {
   using coord_t = coord_type<scalar_t>;
@@ -228,7 +227,6 @@ __device__ __forceinline__ void produce_lean_stage(const Problem<scalar_t>& p, c
   const uint32_t column = static_cast<uint32_t>(t.head * s.row_bytes);
   const int query_stride = p.heads * p.levels * p.points;
   const int at0 = ((t.batch * p.queries * p.heads + t.head) * p.levels + level) * p.points;
-  const int head_stride = p.levels * p.points;  // head pairs: the second head's points
 
   const float inv_points = 1.0f / static_cast<float>(p.points);  // exact slot = i / points for i < 2^20
   for (int first = 0; first < n; first += 32 * kBatch) {
@@ -238,11 +236,11 @@ __device__ __forceinline__ void produce_lean_stage(const Problem<scalar_t>& p, c
     for (int k = 0; k < kBatch; ++k) {
       const int i = first + 32 * k + lane;
       const int slot = static_cast<int>((static_cast<float>(i) + 0.5f) * inv_points);
-      const int query = i < n ? tile_query(t, s, kHeadPairs ? slot >> 1 : slot, p.queries) : -1;
+      const int query = i < n ? tile_query(t, s, slot, p.queries) : -1;
       present[k] = query >= 0;
       x[k] = y[k] = a[k] = coord_t(0);
       if (present[k]) {
-        const int at = at0 + query * query_stride + (i - slot * p.points) + (kHeadPairs ? (slot & 1) * head_stride : 0);
+        const int at = at0 + query * query_stride + (i - slot * p.points);
         x[k] = p.locations[2 * at];
         y[k] = p.locations[2 * at + 1];
         a[k] = p.weights[at];
@@ -252,15 +250,10 @@ __device__ __forceinline__ void produce_lean_stage(const Problem<scalar_t>& p, c
     for (int k = 0; k < kBatch; ++k) {
       const int i = first + 32 * k + lane;
       if (i >= n) break;
-      uint32_t point_column = column;
-      if constexpr (kHeadPairs) {
-        const int slot = static_cast<int>((static_cast<float>(i) + 0.5f) * inv_points);
-        point_column += static_cast<uint32_t>((slot & 1) * s.row_bytes);
-      }
-      write_lean_point(meta, g, key0, key_bytes, point_column, i, x[k], y[k], a[k], present[k]);
+      write_lean_point(meta, g, key0, key_bytes, column, i, x[k], y[k], a[k], present[k]);
     }
   }
-  finish_lean_stage<kHeadPairs>(p, ring, meta, t, g, level, stage, key_bytes);
+  finish_lean_stage(p, ring, meta, t, g, level, stage, key_bytes);
 }
 
 // The most levels whose points a one-slot producer holds at once (two a lane each). Five made
@@ -446,9 +439,7 @@ constexpr int lean_max_registers() {
 // It reads no tensor map and takes none: its parameters begin the parameter bank, in 3 of the
 // bank's 64-byte lines instead of 6 (beside the driver's first line), and DINO bs 2 fp16 took 16.2-16.3 us against 16.6-16.7 (H100,
 // 2026-11-27; perf_notes.md, item 106; launch_persistent_without_map).
-// kHeadPairs: the head-pair configs' tiles of two heads, slot 2i + h in head t.head + h
-// (Config::head_pairs).
-template <typename scalar_t, int kSlots, bool kHeadPairs = false>
+template <typename scalar_t, int kSlots>
 __global__ void __maxnreg__(lean_max_registers<scalar_t>()) forward_lean_kernel(
     scalar_t* __restrict__ output, const __grid_constant__ Problem<scalar_t> p, const __grid_constant__ LaunchShape s) {
 #if MMDEFORM_TMA_HOPPER_DEVICE
@@ -459,9 +450,8 @@ __global__ void __maxnreg__(lean_max_registers<scalar_t>()) forward_lean_kernel(
 
   const ConsumerLane cl = consumer_lane(s);
   const int groups = tile_groups(p, s);  // strips: from the parameters alone
-  const int num_tiles = kHeadPairs ? head_pair_tile_count(p, groups) : tile_count(p, groups);
-  // Head pairs take pixel blocks only, which neither of the one-slot strip paths below does.
-  const bool own_first = kSlots == 1 && !kHeadPairs && OwnFirstLevel<coord_t>::applies(p, s, num_tiles);
+  const int num_tiles = tile_count(p, groups);
+  const bool own_first = kSlots == 1 && OwnFirstLevel<coord_t>::applies(p, s, num_tiles);
   OwnFirstLevel<coord_t> own;
   if (own_first && threadIdx.x >= 32) own.load(p, s, groups, cl.team);
   if (!level_metadata_ok(p, output)) return;
@@ -472,7 +462,7 @@ __global__ void __maxnreg__(lean_max_registers<scalar_t>()) forward_lean_kernel(
   if (threadIdx.x < 32) {
     StageCursor at{static_cast<int>(blockIdx.x), 0, 0, 0u};
     Tile t{};
-    if constexpr (kSlots == 1 && !kHeadPairs) {
+    if constexpr (kSlots == 1) {
       if (n <= 32 * 2 && p.levels <= kLeanTileLevels) {
         LeanTilePoints<coord_t> held;
         if (own_first) {  // the consumers take the first tile's level 0: stages start at its level 1
@@ -495,14 +485,14 @@ __global__ void __maxnreg__(lean_max_registers<scalar_t>()) forward_lean_kernel(
       }
     }
     while (at.tile < num_tiles) {
-      if (at.level == 0) t = kHeadPairs ? head_pair_tile_at(p, s, groups, at.tile) : tile_at(p, s, groups, at.tile);
+      if (at.level == 0) t = tile_at(p, s, groups, at.tile);
       if (at.round > 0) mbarrier_wait(ring.empty(at.stage), (at.round - 1) & 1u);
       if (lean_batch_sized_to_stage<scalar_t>() && n <= 32 * 2) {
-        produce_lean_stage<2, kHeadPairs>(p, ring, t, at.level, at.stage, key_bytes);
+        produce_lean_stage<2>(p, ring, t, at.level, at.stage, key_bytes);
       } else if (lean_batch_sized_to_stage<scalar_t>() && n <= 32 * 4) {
-        produce_lean_stage<4, kHeadPairs>(p, ring, t, at.level, at.stage, key_bytes);
+        produce_lean_stage<4>(p, ring, t, at.level, at.stage, key_bytes);
       } else {
-        produce_lean_stage<8, kHeadPairs>(p, ring, t, at.level, at.stage, key_bytes);
+        produce_lean_stage<8>(p, ring, t, at.level, at.stage, key_bytes);
       }
       at.advance(p.levels, s.stages);
     }
@@ -628,28 +618,12 @@ at::Tensor forward(const ProblemTensors& problem, int64_t config) {
     tensor_core_forward(problem, hopper::window::tensor_core_forward_configs()[tensor_core_index], output);
     return output;
   }
-  const int64_t head_pair_index =
-      tensor_core_index - static_cast<int64_t>(hopper::window::tensor_core_forward_configs().size());
   hopper::require_hopper("tma_ws");
   hopper::require_tma_channels(problem.value, "tma_ws");
   MMDEFORM_TMA_DISPATCH_VALUE_TYPES(problem.value.scalar_type(), "mmdeform_tma tma_ws forward", [&] {
     constexpr int kSlots = max_forward_slots_per_team(kVec<scalar_t>);
     using coord_t = coord_type<scalar_t>;
     auto* out = reinterpret_cast<scalar_t*>(output.data_ptr());
-    if (head_pair_index >= 0) {
-      const auto& pairs = hopper::window::head_pair_forward_configs();
-      TORCH_CHECK(head_pair_index < static_cast<int64_t>(pairs.size()), "mmdeform_tma tma_ws: config ", num(config),
-                  " out of range");
-      const hopper::window::Config& c = pairs[head_pair_index];
-      TORCH_CHECK(lean_fits(problem), "mmdeform_tma tma_ws: config ", c.name,
-                  " takes problems whose value bytes and location indices fit 32 bits");
-      const LaunchShape lean = head_pair_launch_shape(problem, c, kChunkBytes, lean_meta_size<coord_t>(), kSlots);
-      constexpr int kFewestSlots = sizeof(scalar_t) == 2 ? 1 : kSlots;
-      launch_persistent_without_map<scalar_t>(lean.slots_per_team == 1 ? forward_lean_kernel<scalar_t, kFewestSlots, true>
-                                                                       : forward_lean_kernel<scalar_t, kSlots, true>,
-                                              problem, lean, out);
-      return;
-    }
     const LaunchShape s = launch_shape(problem, config, kChunkBytes, sizeof(WindowPoint<coord_t>), kSlots, false);
     if (s.window_rows == 0 && lean_fits(problem)) {
       const LaunchShape lean = launch_shape(problem, config, kChunkBytes, lean_meta_size<coord_t>(), kSlots, false);

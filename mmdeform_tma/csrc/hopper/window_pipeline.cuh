@@ -126,28 +126,6 @@ __device__ __forceinline__ Tile tile_at(const Problem<scalar_t>& p, const Launch
   return t;
 }
 
-// Head-pair tiles (the windowless forward's Config::head_pairs): every (batch, pair of heads) has
-// `groups` tiles, numbered as tile_at numbers (batch, head) ones over p.heads / 2 pairs; t.head is
-// the pair's first head. The group's block comes from tile_at itself, so that its code, which
-// every other kernel runs, stays as it is.
-template <typename scalar_t>
-__device__ __forceinline__ int head_pair_tile_count(const Problem<scalar_t>& p, int groups) {
-  return p.num_items / (p.queries * p.heads) * groups * (p.heads / 2);
-}
-
-template <typename scalar_t>
-__device__ __forceinline__ Tile head_pair_tile_at(const Problem<scalar_t>& p, const LaunchShape& s, int groups,
-                                                  int index) {
-  const int pairs = p.heads / 2;
-  const int inner_count = s.heads_outer ? groups : pairs, outer_count = s.heads_outer ? pairs : groups;
-  const int rest = index / inner_count, inner = index - rest * inner_count, outer = rest % outer_count;
-  const int pair = s.heads_outer ? outer : inner, group = s.heads_outer ? inner : outer, batch = rest / outer_count;
-  const int head0 = s.heads_outer ? (batch * p.heads) * groups + group : (batch * groups + group) * p.heads;
-  Tile t = tile_at(p, s, groups, head0);  // (batch, head 0, group)
-  t.head = 2 * pair;
-  return t;
-}
-
 // The query in `slot` of a tile, or -1 for a slot past the end of the level or of the queries.
 __device__ __forceinline__ int tile_query(const Tile& t, const LaunchShape& s, int slot, int queries) {
   if (s.pixel_tiles) {
