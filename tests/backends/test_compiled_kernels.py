@@ -386,35 +386,6 @@ def forward_configs_against_float64(problem, configs: list[str]) -> None:
         check(out, exact, f"{name} output")
 
 
-def misaligned_copy(t: torch.Tensor) -> torch.Tensor:
-    """The same values 4 bytes into their storage: contiguous, but not 16-byte aligned."""
-    storage = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
-    out = storage[1:].view(t.shape).copy_(t)
-    assert out.is_contiguous() and out.data_ptr() % 16
-    return out
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("case", [CASES[9], ENCODER_UNIFORM, CASES[0], CASES[1]], ids=lambda c: c[0])
-def test_tma_ws_windowless_forward_stages_by_slot_as_by_point(case, dtype):
-    """The windowless forward's two-slot producer stages slots of 4 points one lane a slot when
-    the locations and weights are 16-byte aligned, else one point a lane: the same points in the
-    same order, so every `_l1` config's output is the same bit for bit, and right against float64."""
-    problem = cuda_problem(case, dtype, seed=67)
-    skip_unless_supported("tma_ws", validate(*problem.args()))
-    value, shapes, starts, loc, attn = problem.args()
-    assert loc.data_ptr() % 16 == 0 and attn.data_ptr() % 16 == 0
-    names = kernel_configs("tma_ws", "forward")
-    lean = [name for name in names if name.endswith("_l1")]
-    assert len(lean) >= 4
-    forward_configs_against_float64(problem, lean)
-    op = torch.ops.mmdeform_tma.ms_deform_attn_forward
-    for name in lean:
-        aligned = op(value, shapes, starts, loc, attn, "tma_ws", names.index(name))
-        for locations, weights in ((misaligned_copy(loc), attn), (loc, misaligned_copy(attn))):
-            assert torch.equal(op(value, shapes, starts, locations, weights, "tma_ws", names.index(name)), aligned), name
-
-
 # Decoders and encoders of 32-channel heads: 16 points per item (two unrolled steps), 12 (padding
 # lanes in the second step), 14 (seven levels of two), 40 (more than the four unrolled steps: the
 # step loop), and uniform sampling with points outside every level.

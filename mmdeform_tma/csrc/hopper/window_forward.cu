@@ -2,9 +2,6 @@
 // level by level, and store each query's output after its last level. Two kernels: the windowed
 // one (configs with a value window, or problems past 32-bit offsets) and a windowless one for the
 // `_l1` configs, which leaves out the window's registers and work (below).
-#include <cstdint>
-#include <type_traits>
-
 #include "../common/dtype_dispatch.cuh"
 #include "../common/launchers.h"
 #include "tensor_core_forward.h"
@@ -259,49 +256,6 @@ __device__ __forceinline__ void produce_lean_stage(const Problem<scalar_t>& p, c
   finish_lean_stage(p, ring, meta, t, g, level, stage, key_bytes);
 }
 
-// Slots of 4 points whose locations and weights are 16-byte aligned: produce_lean_stage_by_slot.
-template <typename scalar_t>
-__device__ __forceinline__ bool lean_stage_by_slot_applies(const Problem<scalar_t>& p) {
-  return std::is_same<coord_type<scalar_t>, float>::value && p.points == 4 &&
-         (reinterpret_cast<uintptr_t>(p.locations) & 15u) == 0 && (reinterpret_cast<uintptr_t>(p.weights) & 15u) == 0;
-}
-
-// produce_lean_stage for slots of 4 points, one lane a slot: its query once and its points'
-// locations and weights in three 16-byte loads, where the point-a-lane batches compute a query,
-// three scalar addresses and loads for every point, and run that index math predicated off for
-// the batch's empty half (128-point stages, batches of 8 a lane). That was 62 % of the producer's
-// instructions and the producer a quarter of the encoder forward's, whose wall is issue
-// (perf_notes.md, item 135). The stage's points and their order are the same, so is the output.
-template <typename scalar_t>
-__device__ __forceinline__ void produce_lean_stage_by_slot(const Problem<scalar_t>& p, const Ring<float>& ring,
-                                                           const Tile& t, int level, int stage, uint32_t key_bytes) {
-  constexpr int kPoints = 4;
-  const LaunchShape& s = *ring.s;
-  const LevelGeometry g = level_geometry(p.spatial_shapes, p.level_start, level);
-  const LeanStage<float> meta = lean_stage(ring, stage, s.slots * kPoints);
-  const int key0 = t.batch * p.num_keys + static_cast<int>(g.start);
-  const uint32_t column = static_cast<uint32_t>(t.head * s.row_bytes);
-  const int query_stride = p.heads * p.levels * kPoints;
-  const int at0 = ((t.batch * p.queries * p.heads + t.head) * p.levels + level) * kPoints;
-  for (int slot = threadIdx.x & 31; slot < s.slots; slot += 32) {
-    const int query = tile_query(t, s, slot, p.queries);
-    float4 xy01 = make_float4(0.f, 0.f, 0.f, 0.f), xy23 = xy01, a = xy01;
-    if (query >= 0) {
-      const int at = at0 + query * query_stride;
-      xy01 = __ldg(reinterpret_cast<const float4*>(p.locations + 2 * at));
-      xy23 = __ldg(reinterpret_cast<const float4*>(p.locations + 2 * at + 4));
-      a = __ldg(reinterpret_cast<const float4*>(p.weights + at));
-    }
-    const int i = slot * kPoints;
-    const bool present = query >= 0;
-    write_lean_point(meta, g, key0, key_bytes, column, i, xy01.x, xy01.y, a.x, present);
-    write_lean_point(meta, g, key0, key_bytes, column, i + 1, xy01.z, xy01.w, a.y, present);
-    write_lean_point(meta, g, key0, key_bytes, column, i + 2, xy23.x, xy23.y, a.z, present);
-    write_lean_point(meta, g, key0, key_bytes, column, i + 3, xy23.z, xy23.w, a.w, present);
-  }
-  finish_lean_stage(p, ring, meta, t, g, level, stage, key_bytes);
-}
-
 // The most levels whose points a one-slot producer holds at once (two a lane each). Five made
 // DINO's five-level decoder forward 3 % slower (20.2 -> 20.8 us) and gained nothing on four.
 constexpr int kLeanTileLevels = 4;
@@ -530,18 +484,9 @@ __global__ void __maxnreg__(lean_max_registers<scalar_t>()) forward_lean_kernel(
         return;
       }
     }
-    // Two-slot kernels only: the one-slot ones (decoders) keep their machine code.
-    [[maybe_unused]] const bool by_slot = lean_stage_by_slot_applies(p);
     while (at.tile < num_tiles) {
       if (at.level == 0) t = tile_at(p, s, groups, at.tile);
       if (at.round > 0) mbarrier_wait(ring.empty(at.stage), (at.round - 1) & 1u);
-      if constexpr (kSlots == 2 && std::is_same<coord_t, float>::value) {
-        if (by_slot) {
-          produce_lean_stage_by_slot(p, ring, t, at.level, at.stage, key_bytes);
-          at.advance(p.levels, s.stages);
-          continue;
-        }
-      }
       if (lean_batch_sized_to_stage<scalar_t>() && n <= 32 * 2) {
         produce_lean_stage<2>(p, ring, t, at.level, at.stage, key_bytes);
       } else if (lean_batch_sized_to_stage<scalar_t>() && n <= 32 * 4) {
