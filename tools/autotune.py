@@ -3,6 +3,7 @@
     python tools/autotune.py                                   # standard DETR / DINO shapes, all dtypes
     python tools/autotune.py --presets detr_enc_bs2 --backends tma_ws --dtypes float16
     python tools/autotune.py --layouts --dtypes float16    # the head / channel layouts (LAYOUT_PRESETS)
+    python tools/autotune.py --stale                       # entries measured on other kernel sources (no GPU)
 
 For every (shape, dtype, backend, direction) it runs each compiled variant ("config") once on a
 query subset against float64 and rejects every config that fails the accuracy rules or raises,
@@ -16,7 +17,9 @@ kernels' config choice follow it, at unmeasured shapes from the nearest measured
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime
+import hashlib
 import json
 import re
 import sys
@@ -42,6 +45,49 @@ STANDARD_PRESETS = [
     "detr_enc_bs2", "detr_enc_bs8", "detr_dec_bs2", "dino_dec_bs2", "detr_enc_bs6_p8", "dino5_enc_bs2",
     "detr_dec_bs1", "detr_dec_bs1_q100",
 ]
+
+
+# The files a backend's kernels are built from (beside setup.py's flags). Each entry records a
+# digest of them, so that entries measured on other sources can be listed and re-tuned: the H100
+# table's fp32 encoder forwards named configs that kernel changes had made 24-31 % slower than
+# the fastest, for ten sessions (perf_notes.md, item 136).
+BACKEND_SOURCES = {"tma_ws": ("hopper", "common"), "cuda": ("cuda", "common")}
+REPO = Path(__file__).resolve().parent.parent
+
+
+def sources_digest(backend: str, root: Path = REPO) -> str:
+    """A digest of setup.py and the backend's source folders under mmdeform_tma/csrc."""
+    csrc = root / "mmdeform_tma" / "csrc"
+    files = [root / "setup.py"] + sorted(f for d in BACKEND_SOURCES[backend] for f in (csrc / d).rglob("*") if f.is_file())
+    digest = hashlib.sha256()
+    for f in files:
+        digest.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def entry_sources(best: list[dict], measured: set[str], previous: dict, digest: str) -> str | None:
+    """The digest of the sources every config an entry keeps was timed on, if one is known: this
+    run's when it timed them all, else the earlier entry's when that was the same."""
+    if all(b["config"] in measured for b in best) or previous.get("sources") == digest:
+        return digest
+    return None
+
+
+def stale_report(table: dict, digests: dict[str, str]) -> list[str]:
+    """The entries measured on other sources than `digests` (or before entries recorded theirs),
+    per backend and direction, each with the command that re-tunes them."""
+    stale = collections.defaultdict(list)
+    for e in table["entries"]:
+        if e.get("sources") != digests.get(e["backend"]):
+            stale[(e["backend"], e["direction"])].append(e)
+    count = sum(len(group) for group in stale.values())
+    lines = [f"{table['device']}: {count} of {len(table['entries'])} entries measured on other kernel sources"]
+    for (backend, direction), group in sorted(stale.items()):
+        unrecorded = sum("sources" not in e for e in group)
+        presets = sorted({e["preset"] for e in group})
+        lines.append(f"  {backend} {direction}: {len(group)} ({unrecorded} before digests were recorded); re-tune with")
+        lines.append(f"    python tools/autotune.py --backends {backend} --directions {direction} --presets {' '.join(presets)}")
+    return lines
 
 
 def device_slug(name: str) -> str:
@@ -157,8 +203,17 @@ def main(argv=None) -> int:
     p.add_argument("--check-queries", type=int, default=512, help="queries a batch element checked (not on encoders)")
     p.add_argument("--table", type=Path, help="table to merge into (default: the package's table for this GPU)")
     p.add_argument("--report", type=Path, default=Path("bench_results/autotune.json"))
+    p.add_argument(
+        "--stale", action="store_true",
+        help="list the entries of --table (default: every table) measured on other kernel sources, and exit",
+    )
     args = p.parse_args(argv)
     args.presets = presets_to_tune(args.presets, args.layouts)
+    digests = {backend: sources_digest(backend) for backend in BACKEND_SOURCES}
+    if args.stale:
+        for path in [args.table] if args.table else sorted(tuning.TABLE_DIR.glob("*.json")):
+            print("\n".join(stale_report(json.loads(path.read_text()), digests)))
+        return 0
     if not torch.cuda.is_available():
         print("autotune needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -197,14 +252,11 @@ def main(argv=None) -> int:
                         results.append({"config": config_name, **bench_common.summarize(samples), "timing": mode})
                     timed = sorted((r for r in results if "median_ms" in r), key=lambda r: r["median_ms"])
                     if timed:
-                        previous = entries.get((key, backend, direction), {}).get("best", [])
-                        entries[(key, backend, direction)] = {
-                            "key": key,
-                            "backend": backend,
-                            "direction": direction,
-                            "preset": preset,
-                            "best": best_configs(timed, previous, args.keep, bool(args.configs)),
-                        }
+                        previous = entries.get((key, backend, direction), {})
+                        best = best_configs(timed, previous.get("best", []), args.keep, bool(args.configs))
+                        entry = {"key": key, "backend": backend, "direction": direction, "preset": preset, "best": best}
+                        sources = entry_sources(best, {r["config"] for r in timed}, previous, digests[backend])
+                        entries[(key, backend, direction)] = {**entry, "sources": sources} if sources else entry
                     default = next((r for r in results if r["config"] == _extension.kernel_configs(backend, listed)[0]), {})
                     best = timed[0] if timed else {}
                     print(

@@ -492,6 +492,59 @@ def test_autotune_checks_encoders_on_one_whole_image_and_decoders_on_a_query_sub
     assert value.shape[0] == loc.shape[0] == 2 and loc.shape[1] == attn.shape[1] == 7
 
 
+def test_autotune_digests_each_backends_own_sources(tmp_path):
+    import autotune
+
+    for folder in ("hopper", "cuda", "common"):
+        (tmp_path / "mmdeform_tma" / "csrc" / folder).mkdir(parents=True)
+        (tmp_path / "mmdeform_tma" / "csrc" / folder / "k.cu").write_text(folder)
+    (tmp_path / "setup.py").write_text("flags")
+    before = {b: autotune.sources_digest(b, tmp_path) for b in ("tma_ws", "cuda")}
+    (tmp_path / "mmdeform_tma" / "csrc" / "cuda" / "k.cu").write_text("changed")
+    after = {b: autotune.sources_digest(b, tmp_path) for b in ("tma_ws", "cuda")}
+    assert after["tma_ws"] == before["tma_ws"] and after["cuda"] != before["cuda"]
+    (tmp_path / "setup.py").write_text("other flags")
+    assert autotune.sources_digest("tma_ws", tmp_path) != before["tma_ws"]
+
+
+def test_autotune_entry_keeps_a_digest_only_when_every_kept_config_was_timed_on_those_sources():
+    import autotune
+
+    best = [{"config": "a", "ms": 1.0}, {"config": "b", "ms": 2.0}]
+    assert autotune.entry_sources(best, {"a", "b", "c"}, {}, "new") == "new"
+    # a partial run (--configs) that kept an earlier time: the earlier entry's digest decides
+    assert autotune.entry_sources(best, {"a"}, {"sources": "new"}, "new") == "new"
+    assert autotune.entry_sources(best, {"a"}, {"sources": "old"}, "new") is None
+    assert autotune.entry_sources(best, {"a"}, {}, "new") is None
+
+
+def test_autotune_lists_stale_entries_with_the_command_that_retunes_them(tmp_path, capsys):
+    import autotune
+
+    def entry(backend, direction, preset, sources=None):
+        e = {"key": f"{preset}/{direction}", "backend": backend, "direction": direction, "preset": preset, "best": []}
+        return {**e, "sources": sources} if sources else e
+
+    digests = {"tma_ws": "t1", "cuda": "c1"}
+    table = {"device": "GPU X", "entries": [
+        entry("tma_ws", "forward", "detr_enc_bs2", "t1"),
+        entry("tma_ws", "forward", "detr_enc_bs8", "t0"),
+        entry("tma_ws", "forward", "detr_dec_bs2"),
+        entry("cuda", "backward", "detr_enc_bs2", "c1"),
+    ]}
+    lines = autotune.stale_report(table, digests)
+    assert lines[0] == "GPU X: 2 of 4 entries measured on other kernel sources"
+    assert lines[1] == "  tma_ws forward: 2 (1 before digests were recorded); re-tune with"
+    assert lines[2].endswith("--backends tma_ws --directions forward --presets detr_dec_bs2 detr_enc_bs8")
+    assert len(lines) == 3
+    # the command line digests this checkout's sources, and needs no GPU
+    current = entry("tma_ws", "forward", "detr_enc_bs2", autotune.sources_digest("tma_ws"))
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps({"device": "GPU Y", "entries": [current, entry("tma_ws", "forward", "detr_enc_bs8", "t0")]}))
+    assert autotune.main(["--stale", "--table", str(path)]) == 0
+    assert capsys.readouterr().out.startswith("GPU Y: 1 of 2 entries measured on other kernel sources")
+
+
 def test_autotune_needs_a_gpu():
     if torch.cuda.is_available():
         pytest.skip("a GPU is present")
