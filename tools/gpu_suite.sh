@@ -45,7 +45,8 @@
 #   bench graph               tools/benchmark_op.py (BENCH_ARGS); tools/cuda_graph_train_step.py
 #   autotune                  tools/autotune.py over AUTOTUNE_BACKENDS (default tma_ws cuda), forward,
 #                             backward and the deterministic backward; rewrites this GPU's table
-#                             (AUTOTUNE_ARGS adds options, e.g. "--layouts --dtypes float16")
+#                             (AUTOTUNE_ARGS adds options, e.g. "--layouts --dtypes float16"), then lists
+#                             the entries still measured on other kernel sources (--stale)
 #   e2e                       tools/benchmark_e2e.py per model (E2E_MODELS, E2E_ARGS): stock against auto
 #                             side by side (--paired E2E_PAIRED_ROUNDS, default 10), then stock against auto
 #                             on the fast path; AMP fp16 (Mask2Former fp32). E2E_ROWS="paired fast" by default;
@@ -146,6 +147,8 @@ fi
 if has autotune; then
   run autotune ${AUTOTUNE_TIMEOUT:-900} python3 tools/autotune.py --backends ${AUTOTUNE_BACKENDS:-tma_ws cuda} \
     --directions forward backward backward-deterministic --report "$OUT/autotune.json" ${AUTOTUNE_ARGS:-}
+  # what the table still holds from other kernel sources, with the commands that re-tune it
+  run autotune_stale 60 python3 tools/autotune.py --stale
 fi
 if has ab; then
   base=${AB_BASE:-.ab_base}

@@ -251,3 +251,9 @@ def test_l1_banks_step_without_ncu_says_so_and_fails(tmp_path):
                                   expect_rc=1)
     assert "=== l1_banks_ncu: no ncu on PATH" in stdout
     assert not any(" ncu " in call for call in calls) and len(calls) == 1
+
+
+def test_autotune_step_then_lists_the_stale_entries(suite):
+    tune, stale = suite("autotune")
+    assert "tools/autotune.py --backends tma_ws cuda --directions forward backward backward-deterministic" in tune
+    assert stale.endswith("tools/autotune.py --stale")
