@@ -103,8 +103,7 @@ class Checker:
 
     The subset is the first `queries` queries of every batch element, except for encoder
     self-attention (as many queries as keys): there it is every query of the first element, so that
-    the kernels take the pixel-block tiles they are timed on, not the strips of a query subset (and
-    configs that take only self-attention are checked, not rejected: session 55)."""
+    the kernels take the pixel-block tiles they are timed on, not the strips of a query subset."""
 
     def __init__(self, inputs, queries: int):
         value, shapes_t, starts, loc, attn = inputs

@@ -376,16 +376,6 @@ def tensor_core_forward_reason(name: str, problem) -> str | None:
     return None
 
 
-def forward_configs_against_float64(problem, configs: list[str]) -> None:
-    """Each named tma_ws forward config's output against float64 (FA3's rule for fp16 and bf16: at
-    most 1.5x the output's own rounding error)."""
-    exact = gather_reference(*[t.double() if t.is_floating_point() else t for t in problem.args()])
-    names = kernel_configs("tma_ws", "forward")
-    for name in configs:
-        out = torch.ops.mmdeform_tma.ms_deform_attn_forward(*problem.args(), "tma_ws", names.index(name))
-        check(out, exact, f"{name} output")
-
-
 # Decoders and encoders of 32-channel heads: 16 points per item (two unrolled steps), 12 (padding
 # lanes in the second step), 14 (seven levels of two), 40 (more than the four unrolled steps: the
 # step loop), and uniform sampling with points outside every level.
@@ -406,8 +396,12 @@ def test_tma_ws_tensor_core_forward_against_float64(case, dtype):
     the output's own rounding error)."""
     problem = cuda_problem(case, dtype, seed=37)
     skip_unless_supported("tma_ws", validate(*problem.args()))
+    exact = gather_reference(*[t.double() if t.is_floating_point() else t for t in problem.args()])
+    names = kernel_configs("tma_ws", "forward")
     assert len(tensor_core_forward_configs()) >= 2
-    forward_configs_against_float64(problem, tensor_core_forward_configs())
+    for name in tensor_core_forward_configs():
+        out = torch.ops.mmdeform_tma.ms_deform_attn_forward(*problem.args(), "tma_ws", names.index(name))
+        check(out, exact, f"{name} output")
 
 
 @pytest.mark.parametrize("magnitude", [1e-3, 1.0, 3e5])
