@@ -353,9 +353,9 @@ def test_every_tma_ws_config_against_float64(case, dtype):
         out = torch.ops.mmdeform_tma.ms_deform_attn_forward(*problem.args(), "tma_ws", config)
         check(out, answers[0], f"{name} output")
     backward_names = kernel_configs("tma_ws", "backward")
-    shared = [name for name in names if not name.startswith("tc_") and not name.endswith("_p4")]
+    shared = [name for name in names if not name.startswith("tc_") and not name.endswith("_r72")]
     # the forward-only configs come last
-    assert list(names) == shared + tensor_core_forward_configs() + [n for n in names if n.endswith("_p4")]
+    assert list(names) == shared + tensor_core_forward_configs() + [n for n in names if n.endswith("_r72")]
     assert list(backward_names[: len(shared)]) == shared  # the backward-only configs come last
     for config, name in enumerate(backward_names):
         for deterministic in (False, True) if name.endswith("_g") or "_m16" in name else (False,):
@@ -723,8 +723,8 @@ def test_tma_ws_fp32_mma_backward_keeps_fp32_accuracy_at_any_gradient_scale(magn
 
 
 def lean_forward_configs() -> list[tuple[int, str]]:
-    """The windowless forward configs: `_l1`, and `_p4` (four points in flight)."""
-    return [(i, n) for i, n in enumerate(kernel_configs("tma_ws", "forward")) if re.fullmatch(r"c\d+_t\d+_s\d+_(l1|p4)", n)]
+    """The windowless forward configs: `_l1`, and `_r72` (a register cap of their own)."""
+    return [(i, n) for i, n in enumerate(kernel_configs("tma_ws", "forward")) if re.fullmatch(r"c\d+_t\d+_s\d+_(l1|r72)", n)]
 
 
 # Decoders with more points a level than DETR's 4, where some `_l1` configs give each team one
@@ -747,24 +747,24 @@ def test_tma_ws_lean_forward_configs_against_float64(case, dtype):
     check_forward_configs(problem, lean_forward_configs())
 
 
-FOUR_POINT_CASES = [CASES[9], ENCODER_UNIFORM, CASES[11], MANY_POINT_DECODER_CASES[0]]
+REGISTER_CAPPED_CASES = [CASES[9], ENCODER_UNIFORM, CASES[11], MANY_POINT_DECODER_CASES[0]]
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
-@pytest.mark.parametrize("case", FOUR_POINT_CASES, ids=lambda c: c[0])
-def test_tma_ws_four_point_forward_is_bitwise_its_two_point_twin(case, dtype):
-    """Each `_p4` config (four points gathered before any is summed) sums every query's corners in
-    the order its `_l1` twin does, so both outputs are the same bits; and both match float64.
-    Encoders of 4 and 8 points a level (one and two fours), uniform sampling (corners outside the
-    levels), and a decoder of 5 (one four and one point left over)."""
+@pytest.mark.parametrize("case", REGISTER_CAPPED_CASES, ids=lambda c: c[0])
+def test_tma_ws_register_capped_forward_is_bitwise_its_twin(case, dtype):
+    """Each `_r72` config (the windowless kernel at 72 registers; the two-slot kernel also on
+    one-slot tiles) sums every query's corners in the order its `_l1` twin does, so both outputs
+    are the same bits; and both match float64. Encoders of 4 and 8 points a level, uniform sampling
+    (corners outside the levels), and a decoder of 5 (a point left over after the pairs)."""
     problem = cuda_problem(case, dtype, seed=59)
     skip_unless_supported("tma_ws", validate(*problem.args()))
     names = kernel_configs("tma_ws", "forward")
-    four = [(i, n) for i, n in enumerate(names) if n.endswith("_p4")]
-    assert len(four) >= 2
-    check_forward_configs(problem, four)
-    for config, name in four:
-        twin = names.index(name.replace("_p4", "_l1"))
+    capped = [(i, n) for i, n in enumerate(names) if n.endswith("_r72")]
+    assert len(capped) >= 2
+    check_forward_configs(problem, capped)
+    for config, name in capped:
+        twin = names.index(name.replace("_r72", "_l1"))
         got = torch.ops.mmdeform_tma.ms_deform_attn_forward(*problem.args(), "tma_ws", config)
         want = torch.ops.mmdeform_tma.ms_deform_attn_forward(*problem.args(), "tma_ws", twin)
         assert torch.equal(got, want), f"{name} against {names[twin]}"

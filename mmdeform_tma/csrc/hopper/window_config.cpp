@@ -197,14 +197,14 @@ const std::vector<TensorCoreForwardConfig>& tensor_core_forward_configs() {
   return all;
 }
 
-const std::vector<Config>& four_point_forward_configs() {
-  // The encoders' windowless configs of the H100 table (two consumer warps) with four points in flight.
+const std::vector<Config>& register_capped_forward_configs() {
+  // The encoders' windowless configs of the H100 table (two consumer warps) at 72 registers.
   static const std::vector<Config> all = [] {
     std::vector<Config> list;
     for (int slots : {64, 32, 16})
       for (int stages : {3, 2}) {
-        Config c{"c2_t" + std::to_string(slots) + "_s" + std::to_string(stages) + "_p4", 2, slots, stages, 0};
-        c.points_in_flight = 4;
+        Config c{"c2_t" + std::to_string(slots) + "_s" + std::to_string(stages) + "_r72", 2, slots, stages, 0};
+        c.max_registers = 72;
         list.push_back(c);
       }
     return list;
@@ -228,7 +228,7 @@ std::vector<std::string> config_names() {
   std::vector<std::string> names;
   for (int64_t i = 0; i < shared_config_count(); ++i) names.push_back(configs()[i].name);
   for (const auto& c : tensor_core_forward_configs()) names.push_back(c.name);
-  for (const auto& c : four_point_forward_configs()) names.push_back(c.name);
+  for (const auto& c : register_capped_forward_configs()) names.push_back(c.name);
   return names;
 }
 

@@ -426,11 +426,16 @@ constexpr bool lean_batch_sized_to_stage() {
 // also the most at which a scheduler's 16,384 registers hold six warps, so that DINO's 900
 // one-slot tiles of 3-warp CTAs run in one wave (8 CTAs a SM): at 87 the grid fell to 792 CTAs
 // and the forward took 19.6 us against 16.7 (H100, 2026-11-27; perf_notes.md, item 101).
-// Four points in flight (the `_p4` configs) hold twice the gathered registers: 96, 7 CTAs of 3
-// warps a SM instead of 8, for twice a warp's gathers in flight (perf_notes.md, item 138).
-template <typename scalar_t, int kPointsInFlight>
+template <typename scalar_t>
 constexpr int lean_max_registers() {
-  return sizeof(scalar_t) == 8 ? 255 : kPointsInFlight == 4 ? 96 : 80;
+  return sizeof(scalar_t) == 8 ? 255 : 80;
+}
+
+// The `_r72` configs' cap: 9 CTAs of 3 warps a SM (7 warps a scheduler) instead of 8, the least
+// at which the two-slot kernels do not spill (perf_notes.md, item 139). fp64 keeps its own.
+template <typename scalar_t>
+constexpr int lean_capped_registers() {
+  return sizeof(scalar_t) == 8 ? lean_max_registers<scalar_t>() : 72;
 }
 
 // kSlots: the most query slots a team owns. Half precision also builds kSlots = 1 for the
@@ -441,9 +446,8 @@ constexpr int lean_max_registers() {
 // It reads no tensor map and takes none: its parameters begin the parameter bank, in 3 of the
 // bank's 64-byte lines instead of 6 (beside the driver's first line), and DINO bs 2 fp16 took 16.2-16.3 us against 16.6-16.7 (H100,
 // 2026-11-27; perf_notes.md, item 106; launch_persistent_without_map).
-// kPointsInFlight: a team's points gathered before any is summed, 2 or 4 (the `_p4` configs).
-template <typename scalar_t, int kSlots, int kPointsInFlight = 2>
-__global__ void __maxnreg__((lean_max_registers<scalar_t, kPointsInFlight>())) forward_lean_kernel(
+template <typename scalar_t, int kSlots, int kMaxRegisters = lean_max_registers<scalar_t>()>
+__global__ void __maxnreg__(kMaxRegisters) forward_lean_kernel(
     scalar_t* __restrict__ output, const __grid_constant__ Problem<scalar_t> p, const __grid_constant__ LaunchShape s) {
 #if MMDEFORM_TMA_HOPPER_DEVICE
   using coord_t = coord_type<scalar_t>;
@@ -560,19 +564,6 @@ __global__ void __maxnreg__((lean_max_registers<scalar_t, kPointsInFlight>())) f
           accumulate_lean_corners<scalar_t, VEC>(acc[j], c, w);
         };
         int point = 0;
-        if constexpr (kPointsInFlight == 4) {
-#pragma unroll 1
-          for (; point + 4 <= p.points; point += 4) {
-            const PointCorners<kChunkBytes> c0 = gather(first + point);
-            const PointCorners<kChunkBytes> c1 = gather(first + point + 1);
-            const PointCorners<kChunkBytes> c2 = gather(first + point + 2);
-            const PointCorners<kChunkBytes> c3 = gather(first + point + 3);
-            accumulate(c0, first + point);
-            accumulate(c1, first + point + 1);
-            accumulate(c2, first + point + 2);
-            accumulate(c3, first + point + 3);
-          }
-        }
 #pragma unroll 1
         for (; point + 2 <= p.points; point += 2) {
           const PointCorners<kChunkBytes> c0 = gather(first + point);
@@ -636,23 +627,22 @@ at::Tensor forward(const ProblemTensors& problem, int64_t config) {
   }
   hopper::require_hopper("tma_ws");
   hopper::require_tma_channels(problem.value, "tma_ws");
-  const int64_t four_point_index =
+  const int64_t capped_index =
       tensor_core_index - static_cast<int64_t>(hopper::window::tensor_core_forward_configs().size());
   MMDEFORM_TMA_DISPATCH_VALUE_TYPES(problem.value.scalar_type(), "mmdeform_tma tma_ws forward", [&] {
     constexpr int kSlots = max_forward_slots_per_team(kVec<scalar_t>);
     constexpr int kFewestSlots = sizeof(scalar_t) == 2 ? 1 : kSlots;
     using coord_t = coord_type<scalar_t>;
     auto* out = reinterpret_cast<scalar_t*>(output.data_ptr());
-    if (four_point_index >= 0) {
-      const auto& named = hopper::window::four_point_forward_configs();
-      TORCH_CHECK(four_point_index < static_cast<int64_t>(named.size()), "mmdeform_tma tma_ws: config ", num(config),
+    if (capped_index >= 0) {  // the one-slot kernel spills at 72 registers: the two-slot one takes one-slot tiles
+      const auto& named = hopper::window::register_capped_forward_configs();
+      TORCH_CHECK(capped_index < static_cast<int64_t>(named.size()), "mmdeform_tma tma_ws: config ", num(config),
                   " out of range");
-      TORCH_CHECK(lean_fits(problem), "mmdeform_tma tma_ws: config ", named[four_point_index].name,
+      TORCH_CHECK(lean_fits(problem), "mmdeform_tma tma_ws: config ", named[capped_index].name,
                   " runs the windowless kernel, whose 32-bit offsets do not hold this problem's value or locations");
-      const LaunchShape lean = hopper::window::forward_only_launch_shape(problem, named[four_point_index], kChunkBytes,
+      const LaunchShape lean = hopper::window::forward_only_launch_shape(problem, named[capped_index], kChunkBytes,
                                                                          lean_meta_size<coord_t>(), kSlots);
-      launch_persistent_without_map<scalar_t>(lean.slots_per_team == 1 ? forward_lean_kernel<scalar_t, kFewestSlots, 4>
-                                                                       : forward_lean_kernel<scalar_t, kSlots, 4>,
+      launch_persistent_without_map<scalar_t>(forward_lean_kernel<scalar_t, kSlots, lean_capped_registers<scalar_t>()>,
                                               problem, lean, out);
       return;
     }
