@@ -353,9 +353,8 @@ def test_every_tma_ws_config_against_float64(case, dtype):
         out = torch.ops.mmdeform_tma.ms_deform_attn_forward(*problem.args(), "tma_ws", config)
         check(out, answers[0], f"{name} output")
     backward_names = kernel_configs("tma_ws", "backward")
-    shared = [name for name in names if not name.startswith("tc_") and not name.endswith("_r72")]
-    # the forward-only configs come last
-    assert list(names) == shared + tensor_core_forward_configs() + [n for n in names if n.endswith("_r72")]
+    shared = [name for name in names if not name.startswith("tc_")]
+    assert list(names) == shared + tensor_core_forward_configs()  # the forward-only configs come last
     assert list(backward_names[: len(shared)]) == shared  # the backward-only configs come last
     for config, name in enumerate(backward_names):
         for deterministic in (False, True) if name.endswith("_g") or "_m16" in name else (False,):
@@ -723,8 +722,7 @@ def test_tma_ws_fp32_mma_backward_keeps_fp32_accuracy_at_any_gradient_scale(magn
 
 
 def lean_forward_configs() -> list[tuple[int, str]]:
-    """The windowless forward configs: `_l1`, and `_r72` (a register cap of their own)."""
-    return [(i, n) for i, n in enumerate(kernel_configs("tma_ws", "forward")) if re.fullmatch(r"c\d+_t\d+_s\d+_(l1|r72)", n)]
+    return [(i, n) for i, n in enumerate(kernel_configs("tma_ws", "forward")) if re.fullmatch(r"c\d+_t\d+_s\d+_l1(_o\d+)?", n)]
 
 
 # Decoders with more points a level than DETR's 4, where some `_l1` configs give each team one
@@ -745,29 +743,6 @@ def test_tma_ws_lean_forward_configs_against_float64(case, dtype):
     skip_unless_supported("tma_ws", validate(*problem.args()))
     assert len(lean_forward_configs()) >= 4
     check_forward_configs(problem, lean_forward_configs())
-
-
-REGISTER_CAPPED_CASES = [CASES[9], ENCODER_UNIFORM, CASES[11], MANY_POINT_DECODER_CASES[0]]
-
-
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
-@pytest.mark.parametrize("case", REGISTER_CAPPED_CASES, ids=lambda c: c[0])
-def test_tma_ws_register_capped_forward_is_bitwise_its_twin(case, dtype):
-    """Each `_r72` config (the windowless kernel at 72 registers; the two-slot kernel also on
-    one-slot tiles) sums every query's corners in the order its `_l1` twin does, so both outputs
-    are the same bits; and both match float64. Encoders of 4 and 8 points a level, uniform sampling
-    (corners outside the levels), and a decoder of 5 (a point left over after the pairs)."""
-    problem = cuda_problem(case, dtype, seed=59)
-    skip_unless_supported("tma_ws", validate(*problem.args()))
-    names = kernel_configs("tma_ws", "forward")
-    capped = [(i, n) for i, n in enumerate(names) if n.endswith("_r72")]
-    assert len(capped) >= 2
-    check_forward_configs(problem, capped)
-    for config, name in capped:
-        twin = names.index(name.replace("_r72", "_l1"))
-        got = torch.ops.mmdeform_tma.ms_deform_attn_forward(*problem.args(), "tma_ws", config)
-        want = torch.ops.mmdeform_tma.ms_deform_attn_forward(*problem.args(), "tma_ws", twin)
-        assert torch.equal(got, want), f"{name} against {names[twin]}"
 
 
 def check_forward_configs(problem, configs: list[tuple[int, str]]) -> None:

@@ -197,21 +197,6 @@ const std::vector<TensorCoreForwardConfig>& tensor_core_forward_configs() {
   return all;
 }
 
-const std::vector<Config>& register_capped_forward_configs() {
-  // The encoders' windowless configs of the H100 table (two consumer warps) at 72 registers.
-  static const std::vector<Config> all = [] {
-    std::vector<Config> list;
-    for (int slots : {64, 32, 16})
-      for (int stages : {3, 2}) {
-        Config c{"c2_t" + std::to_string(slots) + "_s" + std::to_string(stages) + "_r72", 2, slots, stages, 0};
-        c.max_registers = 72;
-        list.push_back(c);
-      }
-    return list;
-  }();
-  return all;
-}
-
 int64_t shared_config_count() {
   static const int64_t count = [] {
     int64_t n = 0;
@@ -228,7 +213,6 @@ std::vector<std::string> config_names() {
   std::vector<std::string> names;
   for (int64_t i = 0; i < shared_config_count(); ++i) names.push_back(configs()[i].name);
   for (const auto& c : tensor_core_forward_configs()) names.push_back(c.name);
-  for (const auto& c : register_capped_forward_configs()) names.push_back(c.name);
   return names;
 }
 
@@ -242,28 +226,6 @@ bool is_mma_config(int64_t config) {
   return config >= 0 && config < static_cast<int64_t>(configs().size()) && configs()[config].mma;
 }
 
-namespace {
-
-// A named config's geometry, checked against the SM's shared memory.
-LaunchShape named_shape(const ProblemTensors& problem, const Config& config, int chunk_bytes, int meta_size,
-                        int max_slots_per_team, bool backward, int gather_entry_size, bool mma_kernel,
-                        int flush_element_bytes) {
-  const int limit = current_device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin);
-  LaunchShape s = shape_for(problem, config, chunk_bytes, meta_size, max_slots_per_team, backward ? gather_entry_size : 0,
-                            backward && mma_kernel, backward ? flush_element_bytes : 0);
-  TORCH_CHECK(s.total_bytes <= limit, "mmdeform_tma tma_ws: config ", config.name, " needs ", num(s.total_bytes),
-              " bytes of shared memory for ", num(problem.points), " points per level; the GPU allows ", num(limit));
-  s.heads_outer = tile_order_heads_outer(problem, s.slots, backward);
-  return s;
-}
-
-}  // namespace
-
-LaunchShape forward_only_launch_shape(const ProblemTensors& problem, const Config& config, int chunk_bytes,
-                                      int meta_size, int max_slots_per_team) {
-  return named_shape(problem, config, chunk_bytes, meta_size, max_slots_per_team, false, 0, false, 0);
-}
-
 LaunchShape launch_shape(const ProblemTensors& problem, int64_t config, int chunk_bytes, int meta_size,
                          int max_slots_per_team, bool backward, int gather_entry_size, bool mma_kernel,
                          int flush_element_bytes) {
@@ -272,8 +234,13 @@ LaunchShape launch_shape(const ProblemTensors& problem, int64_t config, int chun
   if (config >= 0) {
     const int64_t count = backward ? static_cast<int64_t>(configs().size()) : shared_config_count();
     TORCH_CHECK(config < count, "mmdeform_tma tma_ws: config ", num(config), " out of range");
-    return named_shape(problem, configs()[config], chunk_bytes, meta_size, max_slots_per_team, backward,
-                       gather_entry_size, mma_kernel, flush_element_bytes);
+    LaunchShape s = shape_for(problem, configs()[config], chunk_bytes, meta_size, max_slots_per_team,
+                              backward ? gather_entry_size : 0, backward && mma_kernel, backward ? flush_element_bytes : 0);
+    TORCH_CHECK(s.total_bytes <= limit, "mmdeform_tma tma_ws: config ", configs()[config].name, " needs ",
+                num(s.total_bytes), " bytes of shared memory for ", num(problem.points), " points per level; the GPU allows ",
+                num(limit));
+    s.heads_outer = tile_order_heads_outer(problem, s.slots, backward);
+    return s;
   }
   // Shrink the default until it fits: fewer stages, then smaller windows, then smaller tiles.
   Config c = default_config(problem, row_bytes / chunk_bytes, backward, mma_kernel);

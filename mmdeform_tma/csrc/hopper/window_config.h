@@ -41,9 +41,6 @@ struct Config {
   // window on the tensor cores and reduce each touched cell once (window_backward.cu). No value
   // window is loaded: corners come through L1.
   bool mma = false;
-  // Forward only, windowless: the kernel's register cap, 0 for its default (window_forward.cu,
-  // lean_max_registers); 72 in the `_r72` configs.
-  int max_registers = 0;
 
   bool backward_only() const { return gather || ctas_per_sm != 3 || mma; }
 };
@@ -60,14 +57,11 @@ struct TensorCoreForwardConfig {
 };
 const std::vector<TensorCoreForwardConfig>& tensor_core_forward_configs();
 
-// Forward only: windowless configs at a register cap of their own (`_r72`, Config::max_registers).
-const std::vector<Config>& register_capped_forward_configs();
-
 // configs() entries that both directions run: the forward's index i < shared_config_count() is
 // configs()[i], as the backward's.
 int64_t shared_config_count();
-// The forward's configs: the shared ones, the tensor-core gather ones (forward index
-// shared_config_count() + i is tensor_core_forward_configs()[i]), then register_capped_forward_configs().
+// The forward's configs: the shared ones, then the tensor-core gather ones (forward index
+// shared_config_count() + i is tensor_core_forward_configs()[i]).
 std::vector<std::string> config_names();
 std::vector<std::string> backward_config_names();  // all of configs(): the shared ones, then the backward-only ones
 
@@ -156,11 +150,6 @@ struct LaunchShape {
 LaunchShape launch_shape(const ProblemTensors& problem, int64_t config, int chunk_bytes, int meta_size,
                          int max_slots_per_team, bool backward, int gather_entry_size = 0, bool mma_kernel = false,
                          int flush_element_bytes = 0);
-
-// The geometry of a forward-only config (register_capped_forward_configs); throws with the reason when it
-// cannot fit an SM.
-LaunchShape forward_only_launch_shape(const ProblemTensors& problem, const Config& config, int chunk_bytes,
-                                      int meta_size, int max_slots_per_team);
 
 // The plain (direct) backward's geometry over the same tiles as `mma` (an MMA launch shape): the
 // kernel that takes the tiles of MMA CTAs whose sampling spreads (LaunchShape::spread_role). Its

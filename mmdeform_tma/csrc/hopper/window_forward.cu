@@ -431,13 +431,6 @@ constexpr int lean_max_registers() {
   return sizeof(scalar_t) == 8 ? 255 : 80;
 }
 
-// The `_r72` configs' cap: 9 CTAs of 3 warps a SM (7 warps a scheduler) instead of 8, the least
-// at which the two-slot kernels do not spill (perf_notes.md, item 139). fp64 keeps its own.
-template <typename scalar_t>
-constexpr int lean_capped_registers() {
-  return sizeof(scalar_t) == 8 ? lean_max_registers<scalar_t>() : 72;
-}
-
 // kSlots: the most query slots a team owns. Half precision also builds kSlots = 1 for the
 // decoders' tiles of one slot a team: a second slot's accumulators, live through every tile,
 // kept ptxas from issuing a pair of points' eight gathers before the first was used, and DINO's
@@ -446,8 +439,8 @@ constexpr int lean_capped_registers() {
 // It reads no tensor map and takes none: its parameters begin the parameter bank, in 3 of the
 // bank's 64-byte lines instead of 6 (beside the driver's first line), and DINO bs 2 fp16 took 16.2-16.3 us against 16.6-16.7 (H100,
 // 2026-11-27; perf_notes.md, item 106; launch_persistent_without_map).
-template <typename scalar_t, int kSlots, int kMaxRegisters = lean_max_registers<scalar_t>()>
-__global__ void __maxnreg__(kMaxRegisters) forward_lean_kernel(
+template <typename scalar_t, int kSlots>
+__global__ void __maxnreg__(lean_max_registers<scalar_t>()) forward_lean_kernel(
     scalar_t* __restrict__ output, const __grid_constant__ Problem<scalar_t> p, const __grid_constant__ LaunchShape s) {
 #if MMDEFORM_TMA_HOPPER_DEVICE
   using coord_t = coord_type<scalar_t>;
@@ -627,28 +620,14 @@ at::Tensor forward(const ProblemTensors& problem, int64_t config) {
   }
   hopper::require_hopper("tma_ws");
   hopper::require_tma_channels(problem.value, "tma_ws");
-  const int64_t capped_index =
-      tensor_core_index - static_cast<int64_t>(hopper::window::tensor_core_forward_configs().size());
   MMDEFORM_TMA_DISPATCH_VALUE_TYPES(problem.value.scalar_type(), "mmdeform_tma tma_ws forward", [&] {
     constexpr int kSlots = max_forward_slots_per_team(kVec<scalar_t>);
-    constexpr int kFewestSlots = sizeof(scalar_t) == 2 ? 1 : kSlots;
     using coord_t = coord_type<scalar_t>;
     auto* out = reinterpret_cast<scalar_t*>(output.data_ptr());
-    if (capped_index >= 0) {  // the one-slot kernel spills at 72 registers: the two-slot one takes one-slot tiles
-      const auto& named = hopper::window::register_capped_forward_configs();
-      TORCH_CHECK(capped_index < static_cast<int64_t>(named.size()), "mmdeform_tma tma_ws: config ", num(config),
-                  " out of range");
-      TORCH_CHECK(lean_fits(problem), "mmdeform_tma tma_ws: config ", named[capped_index].name,
-                  " runs the windowless kernel, whose 32-bit offsets do not hold this problem's value or locations");
-      const LaunchShape lean = hopper::window::forward_only_launch_shape(problem, named[capped_index], kChunkBytes,
-                                                                         lean_meta_size<coord_t>(), kSlots);
-      launch_persistent_without_map<scalar_t>(forward_lean_kernel<scalar_t, kSlots, lean_capped_registers<scalar_t>()>,
-                                              problem, lean, out);
-      return;
-    }
     const LaunchShape s = launch_shape(problem, config, kChunkBytes, sizeof(WindowPoint<coord_t>), kSlots, false);
     if (s.window_rows == 0 && lean_fits(problem)) {
       const LaunchShape lean = launch_shape(problem, config, kChunkBytes, lean_meta_size<coord_t>(), kSlots, false);
+      constexpr int kFewestSlots = sizeof(scalar_t) == 2 ? 1 : kSlots;
       launch_persistent_without_map<scalar_t>(lean.slots_per_team == 1 ? forward_lean_kernel<scalar_t, kFewestSlots>
                                                                        : forward_lean_kernel<scalar_t, kSlots>,
                                               problem, lean, out);
