@@ -1,0 +1,359 @@
+// A design probe for the encoder forward (perf_notes item 141), not a backend: windows of value rows in
+// shared memory, read by ldmatrix and summed on the tensor cores.
+//
+// A CTA takes one (batch, head, tile of up to 64 queries). Per level, its 128 threads turn the tile's points
+// into records (the four corner weights as half hi + lo pairs, the top-left corner's window pixel), take the
+// points' bounding box, and copy that window of 64-byte value rows into shared memory with cp.async (zero fill
+// outside the level: MSDA's padding). Then each warp sums 16 queries as 8 pairs, one point of each query of a
+// pair a step:
+//
+//   D[m][n] += A[m][k] B[k][n],  m16 n8 k16:
+//   k = 8 pk + 4 ck + corner   (pk: the pair's query, ck: which 16 channels, corner: TL TR BL BR)
+//   A[m][k] = value[corner of pk][16 ck + m]           (one ldmatrix.x4.trans: the two points' 8 rows)
+//   n = 4 pn + 2 cn + h,  B[k][n] = weight_h(corner)  if pk = pn and ck = cn, else 0 (h: hi or lo half)
+//   D[m][n] = query pn's channel 16 cn + m, hi or lo sum; the output is hi + lo.
+//
+// Each ldmatrix phase reads one point's four corners at two 16-byte chunks; the chunk of a row is stored at
+// chunk ^ (y & 1), so the phase's eight rows fall in eight distinct 16-byte bank groups. A point whose
+// corners leave the window (a window is capped at kMaxPixels) is summed from global memory on the CUDA cores.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#ifndef PROBE_KERNEL_ONLY  // defined for a resource report without torch's headers: nvcc -DPROBE_KERNEL_ONLY
+#include <ATen/cuda/CUDAContext.h>
+#include <torch/extension.h>
+#endif
+
+#include <climits>
+#include <cstdint>
+
+namespace {
+
+constexpr int kThreads = 128;
+constexpr int kTileQueries = 64;
+constexpr int kRowBytes = 64;  // 32 channels of 2 bytes
+constexpr int kMaxLevels = 8;
+constexpr int kStageBytes = 4 * 16 * kRowBytes;  // each warp's 16 output rows
+
+template <typename T>
+struct Half;
+template <>
+struct Half<__half> {
+  static constexpr bool kBf16 = false;
+  __device__ static uint32_t pack(float a, float b) {
+    __half2 h = __floats2half2_rn(a, b);
+    return *reinterpret_cast<uint32_t*>(&h);
+  }
+  __device__ static float2 unpack(uint32_t u) { return __half22float2(*reinterpret_cast<__half2*>(&u)); }
+  __device__ static float to_float(__half v) { return __half2float(v); }
+  __device__ static __half from_float(float v) { return __float2half_rn(v); }
+};
+template <>
+struct Half<__nv_bfloat16> {
+  static constexpr bool kBf16 = true;
+  __device__ static uint32_t pack(float a, float b) {
+    __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+    return *reinterpret_cast<uint32_t*>(&h);
+  }
+  __device__ static float2 unpack(uint32_t u) { return __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&u)); }
+  __device__ static float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+  __device__ static __nv_bfloat16 from_float(float v) { return __float2bfloat16_rn(v); }
+};
+
+template <bool kBf16>
+__device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  if constexpr (kBf16) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&a)[4], uint32_t address) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3])
+               : "r"(address));
+}
+
+__device__ __forceinline__ void copy_16_or_zero(uint32_t dst, const void* src, bool inside) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(inside ? 16 : 0));
+}
+
+struct Level {
+  int height, width, start;
+};
+
+// One point's weight at one corner from global memory, with mmcv's bounds (the slow path).
+template <typename T>
+__device__ float corner_value(const T* value, int64_t row0, const Level& lv, int y, int x, int heads, int head,
+                              int channel) {
+  if (y < 0 || x < 0 || y >= lv.height || x >= lv.width) return 0.f;
+  const int64_t key = row0 + lv.start + static_cast<int64_t>(y) * lv.width + x;
+  return Half<T>::to_float(value[(key * heads + head) * 32 + channel]);
+}
+
+template <typename T, int kPoints>
+__global__ void __launch_bounds__(kThreads) window_mma_forward(
+    const T* __restrict__ value, const int64_t* __restrict__ shapes, const int64_t* __restrict__ starts,
+    const float* __restrict__ locations, const float* __restrict__ weights, const int32_t* __restrict__ tiles,
+    T* __restrict__ out, int num_keys, int num_queries, int heads, int levels, int max_pixels, int max_width) {
+  constexpr int kTilePoints = kTileQueries * kPoints;
+  constexpr int kPointsPerThread = kTilePoints / kThreads;
+  static_assert(kTilePoints % kThreads == 0, "points must be even");
+  extern __shared__ __align__(128) unsigned char smem[];
+  unsigned char* window = smem;                                        // max_pixels rows, then a zero row
+  uint4* records = reinterpret_cast<uint4*>(smem + (max_pixels + 1) * kRowBytes);  // [2][kTilePoints]
+  int* pixels = reinterpret_cast<int*>(records + 2 * kTilePoints);       // [2][kTilePoints]
+  __half* stage = reinterpret_cast<__half*>(pixels + 2 * kTilePoints);  // [4 warps][16][32]
+  int* queries = reinterpret_cast<int*>(reinterpret_cast<unsigned char*>(stage) + kStageBytes);
+  int* boxes = queries + kTileQueries;  // [2][5]: x min, x max, y min, y max, any point outside the window
+  __shared__ Level level_of[kMaxLevels];
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int head = blockIdx.y, batch = blockIdx.z;
+  const int64_t row0 = static_cast<int64_t>(batch) * num_keys;
+  if (tid < kTileQueries) queries[tid] = tiles[static_cast<int64_t>(blockIdx.x) * kTileQueries + tid];
+  if (tid < levels) level_of[tid] = {static_cast<int>(shapes[2 * tid]), static_cast<int>(shapes[2 * tid + 1]),
+                                     static_cast<int>(starts[tid])};
+  if (tid < 10) boxes[tid] = (tid % 5 == 4) ? 0 : (tid % 5) & 1 ? INT_MIN : INT_MAX;
+  const uint32_t window_s = static_cast<uint32_t>(__cvta_generic_to_shared(window));
+  const uint32_t zero_s = window_s + max_pixels * kRowBytes;
+  if (tid < kRowBytes / 4) reinterpret_cast<uint32_t*>(window + max_pixels * kRowBytes)[tid] = 0u;
+  __syncthreads();
+
+  // Lane constants of the step. ldmatrix: lane i gives row (i & 7) of matrix i >> 3: m half (i >> 3) & 1,
+  // k half i >> 4 (the pair's query), corner i & 3, chunk half (i >> 2) & 1.
+  const int my_point = lane >> 4;
+  const int corner_dx = lane & 1, corner_dy = (lane >> 1) & 1;
+  const int chunk = 2 * ((lane >> 2) & 1) + ((lane >> 3) & 1);
+  // B: lane (g, t) holds n = g (pn = g >> 2, cn = (g >> 1) & 1, h = g & 1) at k = 2t, 2t + 1 (b0) and
+  // 2t + 8, 2t + 9 (b1): corners (2 (t & 1), + 1) at chunk half t >> 1 of query 0 (b0) or 1 (b1).
+  const int word = 2 * (t & 1) + (g & 1);
+  const bool live = ((g >> 1) & 1) == (t >> 1);
+  const uint32_t mask0 = (live && g < 4) ? ~0u : 0u, mask1 = (live && g >= 4) ? ~0u : 0u;
+
+  float acc[8][4];
+#pragma unroll
+  for (int i = 0; i < 8; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) acc[i][j] = 0.f;
+
+  // A level's locations and weights are loaded while the previous level is summed.
+  auto fetch = [&](int level, int i) -> float3 {
+    const int n = tid + i * kThreads, q = queries[n / kPoints];
+    if (q < 0) return make_float3(-10.f, -10.f, 0.f);  // outside every level: no contribution
+    const int64_t at =
+        ((((static_cast<int64_t>(batch) * num_queries + q) * heads + head) * levels + level) * kPoints) + n % kPoints;
+    const float2 xy = *reinterpret_cast<const float2*>(locations + 2 * at);
+    return make_float3(xy.x, xy.y, weights[at]);
+  };
+  float3 next[kPointsPerThread];
+#pragma unroll
+  for (int i = 0; i < kPointsPerThread; ++i) next[i] = fetch(0, i);
+
+  for (int l = 0; l < levels; ++l) {
+    const int buf = l & 1;
+    const Level lv = level_of[l];
+    uint4* rec = records + buf * kTilePoints;
+    int* pix = pixels + buf * kTilePoints;
+    int* box = boxes + 5 * buf;
+    float3 current[kPointsPerThread];
+#pragma unroll
+    for (int i = 0; i < kPointsPerThread; ++i) {
+      current[i] = next[i];
+      if (l + 1 < levels) next[i] = fetch(l + 1, i);
+    }
+    // Records and the bounding box.
+    int px[kPointsPerThread], py[kPointsPerThread];
+    bool pl[kPointsPerThread];
+    int xmin = INT_MAX, xmax = INT_MIN, ymin = INT_MAX, ymax = INT_MIN;
+#pragma unroll
+    for (int i = 0; i < kPointsPerThread; ++i) {
+      const int n = tid + i * kThreads;
+      float w[4] = {0.f, 0.f, 0.f, 0.f};
+      px[i] = py[i] = 0;
+      pl[i] = false;
+      const float x = current[i].x * lv.width - 0.5f, y = current[i].y * lv.height - 0.5f, a = current[i].z;
+      if (x > -1.f && y > -1.f && x < lv.width && y < lv.height) {  // mmcv's test: NaN is outside
+        const float x0 = floorf(x), y0 = floorf(y), fx = x - x0, fy = y - y0;
+        px[i] = static_cast<int>(x0);
+        py[i] = static_cast<int>(y0);
+        pl[i] = true;
+        w[0] = (1.f - fx) * (1.f - fy) * a;
+        w[1] = fx * (1.f - fy) * a;
+        w[2] = (1.f - fx) * fy * a;
+        w[3] = fx * fy * a;
+        xmin = min(xmin, px[i]);
+        xmax = max(xmax, px[i] + 1);
+        ymin = min(ymin, py[i]);
+        ymax = max(ymax, py[i] + 1);
+      }
+      const uint32_t hi_top = Half<T>::pack(w[0], w[1]), hi_bottom = Half<T>::pack(w[2], w[3]);
+      const float2 top = Half<T>::unpack(hi_top), bottom = Half<T>::unpack(hi_bottom);
+      rec[n] = make_uint4(hi_top, Half<T>::pack(w[0] - top.x, w[1] - top.y), hi_bottom,
+                          Half<T>::pack(w[2] - bottom.x, w[3] - bottom.y));
+    }
+    xmin = __reduce_min_sync(~0u, xmin);
+    xmax = __reduce_max_sync(~0u, xmax);
+    ymin = __reduce_min_sync(~0u, ymin);
+    ymax = __reduce_max_sync(~0u, ymax);
+    if (lane == 0) {
+      atomicMin(box + 0, xmin);
+      atomicMax(box + 1, xmax);
+      atomicMin(box + 2, ymin);
+      atomicMax(box + 3, ymax);
+    }
+    __syncthreads();  // the box; every warp is past the last level's window
+    if (tid == 0) boxes[5 * (buf ^ 1) + 4] = 0;  // level l + 1's flag: level l - 1's readers are past the barrier
+    const bool any_live = box[0] <= box[1];
+    const int wx0 = any_live ? box[0] : 0, wy0 = any_live ? box[2] : 0;
+    int ww = any_live ? box[1] - box[0] + 1 : 1, wh = any_live ? box[3] - box[2] + 1 : 1;
+    ww = min(ww, max_width);
+    wh = min(wh, max_pixels / ww);
+#pragma unroll
+    for (int i = 0; i < kPointsPerThread; ++i) {
+      const int n = tid + i * kThreads;
+      const int xr = px[i] - wx0, yr = py[i] - wy0;
+      const bool inside = xr >= 0 && yr >= 0 && xr + 1 < ww && yr + 1 < wh;
+      pix[n] = !pl[i] ? -1 : inside ? (((yr * ww + xr) << 1) | (py[i] & 1)) : -2;
+      if (pl[i] && !inside) box[4] = 1;
+    }
+    for (int r = warp; r < wh; r += kThreads / 32) {
+      const int gy = wy0 + r;
+      for (int c = lane; c < 4 * ww; c += 32) {
+        const int gx = wx0 + (c >> 2), j = c & 3;
+        const bool inside = gx >= 0 && gy >= 0 && gx < lv.width && gy < lv.height;
+        const T* src = inside ? value + ((row0 + lv.start + static_cast<int64_t>(gy) * lv.width + gx) * heads + head) *
+                                            32 + 8 * j
+                              : value;
+        copy_16_or_zero(window_s + (r * ww + (c >> 2)) * kRowBytes + ((j ^ (gy & 1)) << 4), src, inside);
+      }
+    }
+    asm volatile("cp.async.wait_all;\n" ::);
+    __syncthreads();  // the window and the records
+    if (tid < 4) box[tid] = (tid & 1) ? INT_MIN : INT_MAX;  // for level l + 2
+
+    const int corner_offset = corner_dy * ww + corner_dx;
+#pragma unroll
+    for (int pr = 0; pr < 8; ++pr) {
+      const int q_local = 16 * warp + 2 * pr;
+      if (queries[q_local] < 0 && queries[q_local + 1] < 0) continue;
+#pragma unroll
+      for (int p = 0; p < kPoints; ++p) {
+        const int n = (q_local + my_point) * kPoints + p;
+        const uint32_t wword = reinterpret_cast<const uint32_t*>(rec + n)[word];
+        const int pw = pix[n];
+        const uint32_t address =
+            pw >= 0 ? window_s + ((pw >> 1) + corner_offset) * kRowBytes + ((chunk ^ ((pw ^ corner_dy) & 1)) << 4)
+                    : zero_s;
+        uint32_t a[4];
+        ldmatrix_x4_trans(a, address);
+        mma_16816<Half<T>::kBf16>(acc[pr], a, wword & mask0, wword & mask1);
+      }
+    }
+    if (box[4]) {  // points outside the window: lanes holding their query's sums add them from global memory
+#pragma unroll
+      for (int pr = 0; pr < 8; ++pr) {
+        const int pf = t >> 1, q_local = 16 * warp + 2 * pr + pf;
+        for (int p = 0; p < kPoints; ++p) {
+          if (pix[q_local * kPoints + p] != -2) continue;
+          const int64_t at = ((((static_cast<int64_t>(batch) * num_queries + queries[q_local]) * heads + head) *
+                                   levels + l) * kPoints) + p;
+          const float2 xy = *reinterpret_cast<const float2*>(locations + 2 * at);
+          const float a_w = weights[at];
+          const float x = xy.x * lv.width - 0.5f, y = xy.y * lv.height - 0.5f;
+          const float x0 = floorf(x), y0 = floorf(y), fx = x - x0, fy = y - y0;
+          const float wc[4] = {(1.f - fx) * (1.f - fy) * a_w, fx * (1.f - fy) * a_w, (1.f - fx) * fy * a_w,
+                               fx * fy * a_w};
+          const int c0 = 16 * (t & 1) + g;
+          for (int k = 0; k < 4; ++k) {
+            const int yy = static_cast<int>(y0) + (k >> 1), xx = static_cast<int>(x0) + (k & 1);
+            acc[pr][0] += wc[k] * corner_value(value, row0, lv, yy, xx, heads, head, c0);
+            acc[pr][2] += wc[k] * corner_value(value, row0, lv, yy, xx, heads, head, c0 + 8);
+          }
+        }
+      }
+    }
+  }
+
+  // D: lane (g, t) holds query t >> 1 of each pair, channels 16 (t & 1) + g (d0 hi, d1 lo) and + 8 (d2, d3).
+  __half* my_stage = stage + warp * 16 * 32;
+  T* tstage = reinterpret_cast<T*>(my_stage);
+#pragma unroll
+  for (int pr = 0; pr < 8; ++pr) {
+    const int row = 2 * pr + (t >> 1), c0 = 16 * (t & 1) + g;
+    tstage[row * 32 + c0] = Half<T>::from_float(acc[pr][0] + acc[pr][1]);
+    tstage[row * 32 + c0 + 8] = Half<T>::from_float(acc[pr][2] + acc[pr][3]);
+  }
+  __syncwarp();
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int c = lane + 32 * i, row = c >> 2, j = c & 3;
+    const int q = queries[16 * warp + row];
+    if (q >= 0) {
+      reinterpret_cast<uint4*>(out + ((static_cast<int64_t>(batch) * num_queries + q) * heads + head) * 32)[j] =
+          reinterpret_cast<const uint4*>(tstage + row * 32)[j];
+    }
+  }
+}
+
+#ifndef PROBE_KERNEL_ONLY
+template <typename T, int kPoints>
+void launch(const torch::Tensor& value, const torch::Tensor& shapes, const torch::Tensor& starts,
+            const torch::Tensor& locations, const torch::Tensor& weights, const torch::Tensor& tiles,
+            torch::Tensor& out, int max_pixels, int max_width) {
+  const int levels = static_cast<int>(shapes.size(0));
+  const int64_t bytes = (max_pixels + 1) * kRowBytes + 2 * kTileQueries * kPoints * (16 + 4) + kStageBytes +
+                        kTileQueries * 4 + 10 * 4;
+  auto kernel = window_mma_forward<T, kPoints>;
+  TORCH_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)) ==
+              cudaSuccess);
+  const dim3 grid(static_cast<unsigned>(tiles.size(0)), static_cast<unsigned>(value.size(2)),
+                  static_cast<unsigned>(value.size(0)));
+  kernel<<<grid, kThreads, bytes, at::cuda::getCurrentCUDAStream()>>>(
+      reinterpret_cast<const T*>(value.data_ptr()), shapes.data_ptr<int64_t>(), starts.data_ptr<int64_t>(),
+      locations.data_ptr<float>(), weights.data_ptr<float>(), tiles.data_ptr<int32_t>(),
+      reinterpret_cast<T*>(out.data_ptr()), static_cast<int>(value.size(1)), static_cast<int>(locations.size(1)),
+      static_cast<int>(value.size(2)), levels, max_pixels, max_width);
+  TORCH_CHECK(cudaGetLastError() == cudaSuccess);
+}
+
+}  // namespace
+
+void run(torch::Tensor value, torch::Tensor shapes, torch::Tensor starts, torch::Tensor locations,
+         torch::Tensor weights, torch::Tensor tiles, torch::Tensor out, int64_t max_pixels, int64_t max_width) {
+  TORCH_CHECK(value.size(3) == 32 && shapes.size(0) <= kMaxLevels, "the probe takes 32 channels, up to 8 levels");
+  const int points = static_cast<int>(locations.size(4));
+  const bool bf16 = value.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK(bf16 || value.scalar_type() == torch::kHalf, "fp16 or bf16");
+#define PROBE_POINTS(P)                                                                                  \
+  if (points == P) {                                                                                     \
+    if (bf16)                                                                                            \
+      launch<__nv_bfloat16, P>(value, shapes, starts, locations, weights, tiles, out, max_pixels, max_width); \
+    else                                                                                                 \
+      launch<__half, P>(value, shapes, starts, locations, weights, tiles, out, max_pixels, max_width);   \
+    return;                                                                                              \
+  }
+  PROBE_POINTS(2)
+  PROBE_POINTS(4)
+  PROBE_POINTS(8)
+#undef PROBE_POINTS
+  TORCH_CHECK(false, "the probe takes 2, 4 or 8 points");
+}
+#else
+template __global__ void window_mma_forward<__half, 4>(const __half*, const int64_t*, const int64_t*, const float*,
+                                                      const float*, const int32_t*, __half*, int, int, int, int, int,
+                                                      int);
+template __global__ void window_mma_forward<__nv_bfloat16, 8>(const __nv_bfloat16*, const int64_t*, const int64_t*,
+                                                             const float*, const float*, const int32_t*,
+                                                             __nv_bfloat16*, int, int, int, int, int, int);
+}  // namespace
+#endif
