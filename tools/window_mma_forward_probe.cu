@@ -314,8 +314,12 @@ void launch(const torch::Tensor& value, const torch::Tensor& shapes, const torch
   const int64_t bytes = (max_pixels + 1) * kRowBytes + 2 * kTileQueries * kPoints * (16 + 4) + kStageBytes +
                         kTileQueries * 4 + 10 * 4;
   auto kernel = window_mma_forward<T, kPoints>;
-  TORCH_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)) ==
-              cudaSuccess);
+  static int64_t allowed = 0;  // set once a size: not inside a graph capture
+  if (bytes > allowed) {
+    TORCH_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                     static_cast<int>(bytes)) == cudaSuccess);
+    allowed = bytes;
+  }
   const dim3 grid(static_cast<unsigned>(tiles.size(0)), static_cast<unsigned>(value.size(2)),
                   static_cast<unsigned>(value.size(0)));
   kernel<<<grid, kThreads, bytes, at::cuda::getCurrentCUDAStream()>>>(
