@@ -33,10 +33,15 @@ import benchmark_op  # noqa: E402
 from mmdeform_tma.reference import ms_deform_attn_reference  # noqa: E402
 
 TILE_QUERIES = 64
+# Each schedule's default window cap: the most rows that leave 4 CTAs a SM with one window (serial: the
+# level's records, box, copy, wait and sum in turn) and 3 with two (overlap: level l + 1's window copied
+# and level l + 2's records prepared while level l is summed).
+SCHEDULES = {"serial": 600, "overlap": 448}
 SOURCE = Path(__file__).with_suffix(".cu")
 SIGNATURE = (
     "void run(torch::Tensor value, torch::Tensor shapes, torch::Tensor starts, torch::Tensor locations, "
-    "torch::Tensor weights, torch::Tensor tiles, torch::Tensor out, int64_t max_pixels, int64_t max_width);"
+    "torch::Tensor weights, torch::Tensor tiles, torch::Tensor out, int64_t max_pixels, int64_t max_width, "
+    "bool overlap);"
 )
 
 
@@ -118,7 +123,9 @@ def main(argv=None) -> int:
     p.add_argument("--dtypes", nargs="*", default=["float16", "bfloat16"], choices=["float16", "bfloat16"])
     p.add_argument("--tile-shapes", nargs="*", default=["8x8", "4x8", "2x4", "1x2"],
                    help="HxW query block of each query level (the last repeats)")
-    p.add_argument("--max-pixels", type=int, default=640, help="a window's cap in value rows of 64 bytes")
+    p.add_argument("--schedules", nargs="*", default=list(SCHEDULES), choices=list(SCHEDULES))
+    p.add_argument("--max-pixels", type=int, default=None,
+                   help="a window's cap in value rows of 64 bytes (default: the schedule's, see SCHEDULES)")
     p.add_argument("--max-width", type=int, default=48)
     p.add_argument("--compare", nargs="*", default=[], choices=["dcnv4"])
     p.add_argument("--backends", nargs="*", default=["tma_ws", "cuda"])
@@ -151,30 +158,27 @@ def main(argv=None) -> int:
             outs = [torch.empty(s[3].shape[0], s[3].shape[1], shape.heads * shape.channels, device=device,
                                 dtype=dtype) for s in sets]
 
-            def probe(i):
-                value, shapes_t, starts, loc, attn = sets[i]
-                module.run(value, shapes_t, starts, loc, attn, tiles, outs[i], args.max_pixels, args.max_width)
-                return outs[i]
-
-            # accuracy on a fresh input set, queries drawn from every level
-            check = benchmark_op.make_inputs(shape, dtype, "local", device, 1234)
-            check_out = torch.empty_like(outs[0])
-            module.run(*check, tiles, check_out, args.max_pixels, args.max_width)
+            check = benchmark_op.make_inputs(shape, dtype, "local", device, 1234)  # accuracy: a fresh set
             pick = torch.randperm(shape.num_queries, generator=torch.Generator().manual_seed(0))
-            pick = pick[: args.accuracy_queries].to(device)
+            pick = pick[: args.accuracy_queries].to(device)  # queries of every level
             value, shapes_t, _, loc, attn = check
             exact = ms_deform_attn_reference(value.double(), shapes_t, loc[:, pick].double(), attn[:, pick].double())
             ours = mmdeform_tma.multi_scale_deformable_attn(*check, backend="tma_ws")[:, pick]
             row = {
                 "preset": preset, "dtype": dtype_name, "tiles": int(tiles.shape[0]),
-                "rel_err_probe": rel_l2(check_out[:, pick], exact),
                 "rel_err_tma_ws": rel_l2(ours, exact),
                 "rounding_err": rel_l2(exact.to(dtype), exact),
             }
-            names = ["probe"] + list(args.backends) + list(args.compare)
+            names = [f"probe_{s}" for s in args.schedules] + list(args.backends) + list(args.compare)
             for name in names:
-                if name == "probe":
-                    calls = [lambda i=i: probe(i) for i in range(len(sets))]
+                if name.startswith("probe_"):
+                    overlap = name == "probe_overlap"
+                    cap = args.max_pixels or SCHEDULES[name[len("probe_"):]]
+                    check_out = torch.empty_like(outs[0])
+                    module.run(*check, tiles, check_out, cap, args.max_width, overlap)
+                    row[f"rel_err_{name}"] = rel_l2(check_out[:, pick], exact)
+                    calls = [lambda i=i, c=cap, o=overlap: module.run(*sets[i], tiles, outs[i], c, args.max_width, o)
+                             for i in range(len(sets))]
                 else:
                     bound = [benchmark_op.bind(name, s) for s in sets]
                     calls = [lambda b=b: b.run(*b.leaves) for b in bound]
@@ -183,8 +187,12 @@ def main(argv=None) -> int:
                 stats = bench_common.summarize(samples)
                 row[f"{name}_ms"] = stats["median_ms"]
                 row[f"{name}_p90_ms"] = stats["p90_ms"]
-            for name in names[1:]:
-                row[f"{name}_over_probe"] = row[f"{name}_ms"] / row["probe_ms"]
+            best = min(row[f"{n}_ms"] for n in names if n.startswith("probe_"))
+            for name in names:
+                if not name.startswith("probe_"):
+                    row[f"{name}_over_best_probe"] = row[f"{name}_ms"] / best
+            row["timing"] = mode
+            print(json.dumps(row), flush=True)
             rows.append(row)
             print(json.dumps(row), flush=True)
     if args.out:
