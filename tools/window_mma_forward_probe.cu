@@ -15,16 +15,19 @@
 //
 // Each ldmatrix phase reads one point's four corners at two 16-byte chunks; the chunk of a row is stored at
 // chunk ^ (y & 1), so the phase's eight rows fall in eight distinct 16-byte bank groups. A point whose
-// corners leave the window (a window is capped at kMaxPixels) is summed from global memory on the CUDA cores.
+// corners leave the window (capped at max_pixels rows) is summed from global memory on the CUDA cores.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
-#ifndef PROBE_KERNEL_ONLY  // defined for a resource report without torch's headers: nvcc -DPROBE_KERNEL_ONLY
+#ifndef PROBE_KERNEL_ONLY  // for a resource report on a machine without torch's CUDA headers (nvcc -DPROBE_KERNEL_ONLY
+                           // -I mmdeform_tma/csrc/hopper -I <torch include>): the kernels alone
 #include <ATen/cuda/CUDAContext.h>
 #include <torch/extension.h>
 #endif
 
 #include <climits>
 #include <cstdint>
+
+#include "mma_fragments.cuh"  // tools/window_mma_forward_probe.py puts mmdeform_tma/csrc/hopper on the include path
 
 namespace {
 
@@ -35,52 +38,26 @@ constexpr int kMaxLevels = 8;
 constexpr int kStageBytes = 4 * 16 * kRowBytes;  // each warp's 16 output rows, staged in the records
 
 template <typename T>
-struct Half;
+struct HalfPair;  // two floats as one 32-bit pair of T, and back
 template <>
-struct Half<__half> {
-  static constexpr bool kBf16 = false;
+struct HalfPair<__half> {
   __device__ static uint32_t pack(float a, float b) {
     __half2 h = __floats2half2_rn(a, b);
     return *reinterpret_cast<uint32_t*>(&h);
   }
   __device__ static float2 unpack(uint32_t u) { return __half22float2(*reinterpret_cast<__half2*>(&u)); }
-  __device__ static float to_float(__half v) { return __half2float(v); }
-  __device__ static __half from_float(float v) { return __float2half_rn(v); }
 };
 template <>
-struct Half<__nv_bfloat16> {
-  static constexpr bool kBf16 = true;
+struct HalfPair<__nv_bfloat16> {
   __device__ static uint32_t pack(float a, float b) {
     __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
     return *reinterpret_cast<uint32_t*>(&h);
   }
   __device__ static float2 unpack(uint32_t u) { return __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&u)); }
-  __device__ static float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
-  __device__ static __nv_bfloat16 from_float(float v) { return __float2bfloat16_rn(v); }
 };
 
-template <bool kBf16>
-__device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  if constexpr (kBf16) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  } else {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-}
-
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&a)[4], uint32_t address) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3])
-               : "r"(address));
-}
+using mmdeform_tma::hopper::ldmatrix_x4_trans;  // the package's tensor-core pieces (mma_fragments.cuh)
+using mmdeform_tma::hopper::mma_16x8x16;
 
 __device__ __forceinline__ void copy_16_or_zero(uint32_t dst, const void* src, bool inside) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(inside ? 16 : 0));
@@ -96,7 +73,7 @@ __device__ float corner_value(const T* value, int64_t row0, const Level& lv, int
                               int channel) {
   if (y < 0 || x < 0 || y >= lv.height || x >= lv.width) return 0.f;
   const int64_t key = row0 + lv.start + static_cast<int64_t>(y) * lv.width + x;
-  return Half<T>::to_float(value[(key * heads + head) * 32 + channel]);
+  return static_cast<float>(value[(key * heads + head) * 32 + channel]);
 }
 
 
@@ -159,10 +136,10 @@ struct TileState {
         ymin = min(ymin, iy);
         ymax = max(ymax, iy + 1);
       }
-      const uint32_t hi_top = Half<T>::pack(w[0], w[1]), hi_bottom = Half<T>::pack(w[2], w[3]);
-      const float2 top = Half<T>::unpack(hi_top), bottom = Half<T>::unpack(hi_bottom);
-      records[slot * kTilePoints + n] = make_uint4(hi_top, Half<T>::pack(w[0] - top.x, w[1] - top.y), hi_bottom,
-                                                   Half<T>::pack(w[2] - bottom.x, w[3] - bottom.y));
+      const uint32_t hi_top = HalfPair<T>::pack(w[0], w[1]), hi_bottom = HalfPair<T>::pack(w[2], w[3]);
+      const float2 top = HalfPair<T>::unpack(hi_top), bottom = HalfPair<T>::unpack(hi_bottom);
+      records[slot * kTilePoints + n] = make_uint4(hi_top, HalfPair<T>::pack(w[0] - top.x, w[1] - top.y), hi_bottom,
+                                                   HalfPair<T>::pack(w[2] - bottom.x, w[3] - bottom.y));
       pixels[slot * kTilePoints + n] = corner;
     }
     xmin = __reduce_min_sync(~0u, xmin);
@@ -256,7 +233,7 @@ struct TileState {
                     : zero_s;
         uint32_t a[4];
         ldmatrix_x4_trans(a, address);
-        mma_16816<Half<T>::kBf16>(acc[pr], a, wword & mask0, wword & mask1);
+        mma_16x8x16<T>(acc[pr], a, wword & mask0, wword & mask1);
       }
     }
     if (!any_outside(level)) return;
@@ -389,8 +366,8 @@ __global__ void __launch_bounds__(kThreads) window_mma_forward(
 #pragma unroll
   for (int pr = 0; pr < 8; ++pr) {
     const int row = 2 * pr + (t >> 1), c0 = 16 * (t & 1) + g;
-    my_stage[row * 32 + c0] = Half<T>::from_float(acc[pr][0] + acc[pr][1]);
-    my_stage[row * 32 + c0 + 8] = Half<T>::from_float(acc[pr][2] + acc[pr][3]);
+    my_stage[row * 32 + c0] = mmdeform_tma::from_acc<T>(acc[pr][0] + acc[pr][1]);
+    my_stage[row * 32 + c0 + 8] = mmdeform_tma::from_acc<T>(acc[pr][2] + acc[pr][3]);
   }
   __syncwarp();
 #pragma unroll
