@@ -203,8 +203,7 @@ def main(argv=None) -> int:
     module = load_inline("window_tma_forward_probe", SIGNATURES, cuda_sources=SOURCE.read_text(),
                          functions=["run", "swizzle_check"],
                          extra_cuda_cflags=["-O3", "-gencode=arch=compute_90a,code=sm_90a"],
-                         extra_include_paths=[str(HOPPER_SOURCES), str(HOPPER_SOURCES.parent)],
-                         extra_ldflags=["-lcuda"])
+                         extra_include_paths=[str(HOPPER_SOURCES), str(HOPPER_SOURCES.parent)])
     device = torch.device("cuda")
     report = {"swizzle_model": check_swizzle(module, device)} if args.swizzle_check else {}
     if report:
