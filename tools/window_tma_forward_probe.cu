@@ -63,6 +63,7 @@ struct Params {
   Level level[kMaxLevels];
   int num_keys, num_queries, heads, levels;
   int buffer_bytes[2];     // even levels' windows in buffer 0, odd levels' in buffer 1
+  int box_swizzle;         // 1 if the TMA swizzles from each box's start, not from the shared address
 };
 
 template <typename T>
@@ -212,7 +213,8 @@ __global__ void __launch_bounds__(kWarps * 32, 2)
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
         const uint32_t row = top_left + (k >> 1) * lv.pitch + (k & 1) * kRowBytes;
-        corner_words[k][i] = (summed && x_in[k & 1] && y_in[k >> 1]) ? row ^ ((row >> 3) & 0x30u) : zero_s;
+        const uint32_t swizzle = p.box_swizzle ? ((xr + (k & 1)) << 3) & 0x30u : (row >> 3) & 0x30u;
+        corner_words[k][i] = (summed && x_in[k & 1] && y_in[k >> 1]) ? row ^ swizzle : zero_s;
       }
     }
 #pragma unroll
@@ -382,7 +384,8 @@ void launch(const LevelMaps& maps, const Params& p, int ctas, int heads, int bat
 // geometry: per level height, width, first key, box width and window row pitch (bytes), from the host (no device
 // read: the call is captured in CUDA graphs).
 void run(torch::Tensor value, torch::Tensor locations, torch::Tensor weights, torch::Tensor tiles,
-         torch::Tensor windows, std::vector<int64_t> geometry, std::vector<int64_t> buffer_bytes, torch::Tensor out) {
+         torch::Tensor windows, std::vector<int64_t> geometry, std::vector<int64_t> buffer_bytes, torch::Tensor out,
+         bool box_swizzle) {
   const int levels = static_cast<int>(geometry.size() / 5);
   TORCH_CHECK(value.size(3) == 32 && levels <= kMaxLevels && geometry.size() == 5u * levels,
               "the probe takes 32 channels and up to 4 levels");
@@ -408,6 +411,7 @@ void run(torch::Tensor value, torch::Tensor locations, torch::Tensor weights, to
   p.levels = levels;
   p.buffer_bytes[0] = static_cast<int>(buffer_bytes[0]);
   p.buffer_bytes[1] = static_cast<int>(buffer_bytes[1]);
+  p.box_swizzle = box_swizzle ? 1 : 0;
   const int64_t bytes = buffer_bytes[0] + buffer_bytes[1] + warps * kWarpRecordBytes;
   const int ctas = static_cast<int>(tiles.size(0)), heads = p.heads, batch = static_cast<int>(value.size(0));
   const bool bf16 = value.scalar_type() == torch::kBFloat16;

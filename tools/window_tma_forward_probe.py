@@ -47,7 +47,8 @@ SOURCE = Path(__file__).with_suffix(".cu")
 HOPPER_SOURCES = Path(__file__).resolve().parents[1] / "mmdeform_tma" / "csrc" / "hopper"
 SIGNATURES = (
     "void run(torch::Tensor value, torch::Tensor locations, torch::Tensor weights, torch::Tensor tiles, "
-    "torch::Tensor windows, std::vector<int64_t> geometry, std::vector<int64_t> buffer_bytes, torch::Tensor out);"
+    "torch::Tensor windows, std::vector<int64_t> geometry, std::vector<int64_t> buffer_bytes, torch::Tensor out, "
+    "bool box_swizzle);"
     "torch::Tensor swizzle_check(torch::Tensor value, int64_t box_width, int64_t offset);"
 )
 
@@ -208,6 +209,7 @@ def main(argv=None) -> int:
     report = {"swizzle_model": check_swizzle(module, device)} if args.swizzle_check else {}
     if report:
         print(json.dumps(report), flush=True)
+    box_swizzle = report.get("swizzle_model") == "box"  # the records follow what the check found
     rows = []
     for preset in args.presets:
         shape = benchmark_op.PRESETS[preset]
@@ -231,9 +233,10 @@ def main(argv=None) -> int:
             exact = ms_deform_attn_reference(value.double(), shapes_t, loc[:, pick].double(), attn[:, pick].double())
             ours = mmdeform_tma.multi_scale_deformable_attn(*check, backend="tma_ws")[:, pick]
             probe_out = torch.full_like(outs[0], float("nan"))
-            module.run(value, loc, attn, tiles, windows, geometry, buffers, probe_out)
+            module.run(value, loc, attn, tiles, windows, geometry, buffers, probe_out, box_swizzle)
             row = {
                 "preset": preset, "dtype": dtype_name, "ctas": int(tiles.shape[0]), "region": list(args.region),
+                "box_swizzle": box_swizzle,
                 "warps": args.warps, "margin": args.margin, "box_widths": plan["box_widths"], "rows": plan["rows"],
                 "shared_bytes": shared, "outside_share": outside_share(levels, plan, loc),
                 "rel_err_probe": benchmark_op.rel_l2(probe_out[:, pick], exact),
@@ -245,7 +248,7 @@ def main(argv=None) -> int:
             for name in names:
                 if name == "probe":
                     calls = [lambda i=i: module.run(sets[i][0], sets[i][3], sets[i][4], tiles, windows, geometry,
-                                                    buffers, outs[i]) for i in range(len(sets))]
+                                                    buffers, outs[i], box_swizzle) for i in range(len(sets))]
                 else:
                     bound = [benchmark_op.bind(name, s) for s in sets]
                     calls = [lambda b=b: b.run(*b.leaves) for b in bound]
