@@ -75,6 +75,7 @@ struct HalfPair<__half> {
     return *reinterpret_cast<uint32_t*>(&h);
   }
   __device__ static float2 unpack(uint32_t u) { return __half22float2(*reinterpret_cast<__half2*>(&u)); }
+  __device__ static float to_float(__half x) { return __half2float(x); }
 };
 template <>
 struct HalfPair<__nv_bfloat16> {
@@ -83,6 +84,7 @@ struct HalfPair<__nv_bfloat16> {
     return *reinterpret_cast<uint32_t*>(&h);
   }
   __device__ static float2 unpack(uint32_t u) { return __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&u)); }
+  __device__ static float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
 };
 
 __device__ __forceinline__ void ld_shared_v4(uint32_t address, uint4& v) {
@@ -267,8 +269,8 @@ __global__ void __launch_bounds__(kWarps * 32, 2)
           const int yy = static_cast<int>(y0) + (k >> 1), xx = static_cast<int>(x0) + (k & 1);
           if (yy < 0 || xx < 0 || yy >= lv.height || xx >= lv.width) continue;
           const T* row = base + (static_cast<int64_t>(yy) * lv.width + xx) * p.heads * 32;
-          v0 += wc[k] * static_cast<float>(row[c0]);
-          v1 += wc[k] * static_cast<float>(row[c0 + 8]);
+          v0 += wc[k] * HalfPair<T>::to_float(row[c0]);
+          v1 += wc[k] * HalfPair<T>::to_float(row[c0 + 8]);
         }
         const int target = src >> 1;
 #pragma unroll
