@@ -111,7 +111,8 @@ __device__ void issue_window(const LevelMaps& maps, const Params& p, int l, cons
 #endif
 }
 
-template <typename T, int kPoints, int kWarps>
+// kLean (item 142, second version): pairs in branch-free blocks of four and no CTA barrier between levels.
+template <typename T, int kPoints, int kWarps, bool kLean>
 __global__ void __launch_bounds__(kWarps * 32, 2)
     window_tma_forward(const __grid_constant__ LevelMaps maps, const __grid_constant__ Params p) {
 #if MMDEFORM_TMA_HOPPER_DEVICE
@@ -119,6 +120,7 @@ __global__ void __launch_bounds__(kWarps * 32, 2)
   constexpr int kGroups = kPoints / 4;
   extern __shared__ __align__(1024) unsigned char smem[];
   __shared__ __align__(8) uint64_t full[2];
+  __shared__ unsigned released[2];  // kLean: warps that have left each buffer's windows
   __shared__ __align__(128) unsigned char zero_row[kRowBytes];
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
@@ -129,6 +131,7 @@ __global__ void __launch_bounds__(kWarps * 32, 2)
   const uint32_t zero_s = mmdeform_tma::hopper::smem_address(zero_row);
   const int32_t* windows = p.windows + static_cast<int64_t>(blockIdx.x) * p.levels * 3;
   if (tid < kRowBytes / 4) reinterpret_cast<uint32_t*>(zero_row)[tid] = 0u;
+  if (tid < 2) released[tid] = 0u;
   if (tid == 0) {
     mmdeform_tma::hopper::prefetch_tensor_map(&maps.map[0]);
     mmdeform_tma::hopper::mbarrier_init(&full[0], 1);
@@ -230,9 +233,7 @@ __global__ void __launch_bounds__(kWarps * 32, 2)
     __syncwarp();
     if (item % kGroups == 0) mmdeform_tma::hopper::mbarrier_wait(&full[l & 1], (l >> 1) & 1);
 
-#pragma unroll
-    for (int pr = 0; pr < 16; ++pr) {
-      if (((live_queries >> (2 * pr)) & 3u) == 0) continue;  // warp-uniform: two padding queries
+    auto pair_steps = [&](int pr) {
       uint4 b, address;
       ld_shared_v4(b_read_s + 32 * pr, b);
       ld_shared_v4(address_read_s + 32 * pr, address);
@@ -242,6 +243,20 @@ __global__ void __launch_bounds__(kWarps * 32, 2)
         uint32_t a[4];
         ldmatrix_x4_trans(a, as[s] ^ chunk_bits);
         mma_16x8x16<T>(acc[pr], a, bs[s] & mask0, bs[s] & mask1);
+      }
+    };
+    if constexpr (kLean) {  // blocks of four pairs without a branch: the compiler interleaves their chains
+#pragma unroll
+      for (int block = 0; block < 4; ++block) {
+        if (((live_queries >> (8 * block)) & 0xFFu) == 0) continue;  // warp-uniform: eight padding queries
+#pragma unroll
+        for (int pr = 4 * block; pr < 4 * block + 4; ++pr) pair_steps(pr);
+      }
+    } else {
+#pragma unroll
+      for (int pr = 0; pr < 16; ++pr) {
+        if (((live_queries >> (2 * pr)) & 3u) == 0) continue;  // warp-uniform: two padding queries
+        pair_steps(pr);
       }
     }
 
@@ -281,12 +296,28 @@ __global__ void __launch_bounds__(kWarps * 32, 2)
       }
     }
 
-    // After a level's last group every warp leaves its window; thread 0 then fills it with level l + 2's.
+    // After a level's last group every warp leaves its window, which is then filled with level l + 2's:
+    // kLean: by the last warp to leave (a count in shared memory; the others go on to level l + 1),
+    // otherwise by thread 0 after a CTA barrier.
     if (item % kGroups == kGroups - 1 && l + 2 < p.levels) {
-      __syncthreads();
-      if (tid == 0) {
-        mmdeform_tma::hopper::fence_proxy_async_shared();
-        issue_window(maps, p, l + 2, windows + 3 * (l + 2), (l & 1) ? buffer1 : smem, &full[l & 1]);
+      if constexpr (kLean) {
+        __syncwarp();
+        unsigned before = 0;
+        if (lane == 0) {
+          __threadfence_block();  // this warp's window reads before its count
+          before = atomicAdd(&released[l & 1], 1u);
+        }
+        if (lane == 0 && before == (static_cast<unsigned>(l >> 1) + 1) * kWarps - 1) {
+          __threadfence_block();
+          mmdeform_tma::hopper::fence_proxy_async_shared();
+          issue_window(maps, p, l + 2, windows + 3 * (l + 2), (l & 1) ? buffer1 : smem, &full[l & 1]);
+        }
+      } else {
+        __syncthreads();
+        if (tid == 0) {
+          mmdeform_tma::hopper::fence_proxy_async_shared();
+          issue_window(maps, p, l + 2, windows + 3 * (l + 2), (l & 1) ? buffer1 : smem, &full[l & 1]);
+        }
       }
     }
   }
@@ -361,16 +392,16 @@ CUtensorMap window_row_map(const torch::Tensor& value, int box_width) {
   const cuuint32_t box[2] = {32, static_cast<cuuint32_t>(box_width)};
   const cuuint32_t element_strides[2] = {1, 1};
   const CUresult result = encoder()(
-      &map, value.scalar_type() == torch::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
-      2, value.data_ptr(), dims, strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+      &map,
+      value.scalar_type() == torch::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2, value.data_ptr(), dims, strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
       CU_TENSOR_MAP_SWIZZLE_64B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   TORCH_CHECK(result == CUDA_SUCCESS, "cuTensorMapEncodeTiled: ", static_cast<int>(result));
   return map;
 }
 
-template <typename T, int kPoints, int kWarps>
+template <typename T, int kPoints, int kWarps, bool kLean>
 void launch(const LevelMaps& maps, const Params& p, int ctas, int heads, int batch, int64_t bytes) {
-  auto kernel = window_tma_forward<T, kPoints, kWarps>;
+  auto kernel = window_tma_forward<T, kPoints, kWarps, kLean>;
   static int64_t allowed = 0;  // set once a size: not inside a graph capture
   if (bytes > allowed) {
     TORCH_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)) ==
@@ -387,7 +418,7 @@ void launch(const LevelMaps& maps, const Params& p, int ctas, int heads, int bat
 // read: the call is captured in CUDA graphs).
 void run(torch::Tensor value, torch::Tensor locations, torch::Tensor weights, torch::Tensor tiles,
          torch::Tensor windows, std::vector<int64_t> geometry, std::vector<int64_t> buffer_bytes, torch::Tensor out,
-         bool box_swizzle) {
+         bool box_swizzle, bool lean) {
   const int levels = static_cast<int>(geometry.size() / 5);
   TORCH_CHECK(value.size(3) == 32 && levels <= kMaxLevels && geometry.size() == 5u * levels,
               "the probe takes 32 channels and up to 4 levels");
@@ -418,19 +449,19 @@ void run(torch::Tensor value, torch::Tensor locations, torch::Tensor weights, to
   const int ctas = static_cast<int>(tiles.size(0)), heads = p.heads, batch = static_cast<int>(value.size(0));
   const bool bf16 = value.scalar_type() == torch::kBFloat16;
   TORCH_CHECK(bf16 || value.scalar_type() == torch::kHalf, "fp16 or bf16");
-#define PROBE_CASE(P, W)                                                                              \
-  if (points == P && warps == W) {                                                                    \
+#define PROBE_CASE(P, LEAN)                                                                           \
+  if (points == P && warps == 6 && lean == LEAN) {                                                    \
     if (bf16)                                                                                         \
-      launch<__nv_bfloat16, P, W>(maps, p, ctas, heads, batch, bytes);                                \
+      launch<__nv_bfloat16, P, 6, LEAN>(maps, p, ctas, heads, batch, bytes);                          \
     else                                                                                              \
-      launch<__half, P, W>(maps, p, ctas, heads, batch, bytes);                                       \
+      launch<__half, P, 6, LEAN>(maps, p, ctas, heads, batch, bytes);                                 \
     return;                                                                                           \
   }
-  PROBE_CASE(4, 6)
-  PROBE_CASE(4, 4)
-  PROBE_CASE(8, 6)
+  PROBE_CASE(4, true)
+  PROBE_CASE(8, true)
+  PROBE_CASE(4, false)
 #undef PROBE_CASE
-  TORCH_CHECK(false, "the probe takes 4 or 8 points with 6 warps, or 4 points with 4 warps");
+  TORCH_CHECK(false, "the probe takes 6 warps and 4 or 8 points (the first version: 4 points)");
 }
 
 torch::Tensor swizzle_check(torch::Tensor value, int64_t box_width, int64_t offset) {
@@ -445,8 +476,11 @@ torch::Tensor swizzle_check(torch::Tensor value, int64_t box_width, int64_t offs
   return out;
 }
 #else
-template __global__ void window_tma_forward<__half, 4, 6>(const __grid_constant__ LevelMaps, const __grid_constant__ Params);
-template __global__ void window_tma_forward<__half, 4, 4>(const __grid_constant__ LevelMaps, const __grid_constant__ Params);
-template __global__ void window_tma_forward<__nv_bfloat16, 8, 6>(const __grid_constant__ LevelMaps, const __grid_constant__ Params);
+template __global__ void window_tma_forward<__half, 4, 6, true>(const __grid_constant__ LevelMaps,
+                                                                 const __grid_constant__ Params);
+template __global__ void window_tma_forward<__half, 4, 6, false>(const __grid_constant__ LevelMaps,
+                                                                  const __grid_constant__ Params);
+template __global__ void window_tma_forward<__nv_bfloat16, 8, 6, true>(const __grid_constant__ LevelMaps,
+                                                                        const __grid_constant__ Params);
 }  // namespace
 #endif

@@ -48,7 +48,7 @@ HOPPER_SOURCES = Path(__file__).resolve().parents[1] / "mmdeform_tma" / "csrc" /
 SIGNATURES = (
     "void run(torch::Tensor value, torch::Tensor locations, torch::Tensor weights, torch::Tensor tiles, "
     "torch::Tensor windows, std::vector<int64_t> geometry, std::vector<int64_t> buffer_bytes, torch::Tensor out, "
-    "bool box_swizzle);"
+    "bool box_swizzle, bool lean);"
     "torch::Tensor swizzle_check(torch::Tensor value, int64_t box_width, int64_t offset);"
 )
 
@@ -184,7 +184,10 @@ def main(argv=None) -> int:
     p.add_argument("--presets", nargs="*", default=["detr_enc_bs2"])
     p.add_argument("--dtypes", nargs="*", default=["float16", "bfloat16"], choices=["float16", "bfloat16"])
     p.add_argument("--region", type=parse_shape, default=(8, 16), help="HxW pixels of the finest level")
-    p.add_argument("--warps", type=int, default=6, choices=[4, 6])
+    p.add_argument("--warps", type=int, default=6, choices=[6])
+    p.add_argument("--versions", nargs="*", default=["lean"], choices=["lean", "barrier"],
+                   help="lean: pairs in branch-free blocks of four, no CTA barrier between levels; barrier: the "
+                        "first version (a barrier a level, a branch a pair; 4 points only)")
     p.add_argument("--margin", type=int, default=6, help="window margin, pixels each side of the references")
     p.add_argument("--compare", nargs="*", default=[], choices=["dcnv4"])
     p.add_argument("--backends", nargs="*", default=["tma_ws", "cuda"])
@@ -233,7 +236,7 @@ def main(argv=None) -> int:
             exact = ms_deform_attn_reference(value.double(), shapes_t, loc[:, pick].double(), attn[:, pick].double())
             ours = mmdeform_tma.multi_scale_deformable_attn(*check, backend="tma_ws")[:, pick]
             probe_out = torch.full_like(outs[0], float("nan"))
-            module.run(value, loc, attn, tiles, windows, geometry, buffers, probe_out, box_swizzle)
+            module.run(value, loc, attn, tiles, windows, geometry, buffers, probe_out, box_swizzle, True)
             row = {
                 "preset": preset, "dtype": dtype_name, "ctas": int(tiles.shape[0]), "region": list(args.region),
                 "box_swizzle": box_swizzle,
@@ -244,11 +247,14 @@ def main(argv=None) -> int:
                 "rounding_err": benchmark_op.rel_l2(exact.to(dtype), exact),
                 "probe_nonfinite": int((~torch.isfinite(probe_out)).sum()),
             }
-            names = ["probe"] + list(args.backends) + list(args.compare)
+            probes = [f"probe_{v}" for v in args.versions]
+            names = probes + list(args.backends) + list(args.compare)
             for name in names:
-                if name == "probe":
-                    calls = [lambda i=i: module.run(sets[i][0], sets[i][3], sets[i][4], tiles, windows, geometry,
-                                                    buffers, outs[i], box_swizzle) for i in range(len(sets))]
+                if name in probes:
+                    lean = name == "probe_lean"
+                    calls = [lambda i=i, lean=lean: module.run(sets[i][0], sets[i][3], sets[i][4], tiles, windows,
+                                                               geometry, buffers, outs[i], box_swizzle, lean)
+                             for i in range(len(sets))]
                 else:
                     bound = [benchmark_op.bind(name, s) for s in sets]
                     calls = [lambda b=b: b.run(*b.leaves) for b in bound]
@@ -257,8 +263,10 @@ def main(argv=None) -> int:
                 stats = bench_common.summarize(samples)
                 row[f"{name}_ms"] = stats["median_ms"]
                 row[f"{name}_p90_ms"] = stats["p90_ms"]
-            for name in names[1:]:
-                row[f"{name}_over_probe"] = row[f"{name}_ms"] / row["probe_ms"]
+            best = min(row[f"{name}_ms"] for name in probes)
+            for name in names:
+                if name not in probes:
+                    row[f"{name}_over_best_probe"] = row[f"{name}_ms"] / best
             row["timing"] = mode
             rows.append(row)
             print(json.dumps(row), flush=True)
