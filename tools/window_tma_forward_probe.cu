@@ -111,8 +111,10 @@ __device__ void issue_window(const LevelMaps& maps, const Params& p, int l, cons
 #endif
 }
 
-// kLean (item 142, second version): pairs in branch-free blocks of four and no CTA barrier between levels.
-template <typename T, int kPoints, int kWarps, bool kLean>
+// kLean (item 143): pairs in branch-free blocks of four and no CTA barrier between levels. kShuffle (item 144,
+// lean too): no address records; a step's lanes take their point's top-left word from its owning lane by
+// `shfl` and form their corner's swizzled address themselves (fewer shared-memory wavefronts, more instructions).
+template <typename T, int kPoints, int kWarps, bool kLean, bool kShuffle>
 __global__ void __launch_bounds__(kWarps * 32, 2)
     window_tma_forward(const __grid_constant__ LevelMaps maps, const __grid_constant__ Params p) {
 #if MMDEFORM_TMA_HOPPER_DEVICE
@@ -189,7 +191,7 @@ __global__ void __launch_bounds__(kWarps * 32, 2)
     const uint32_t window_s = (l & 1) ? buffer1_s : smem_s;
 
     // Records of the lane's four points.
-    uint32_t b_words[4][4], corner_words[4][4];
+    uint32_t b_words[4][4], corner_words[4][4], top_left_words[4];
     unsigned outside = 0;  // points summed from global memory
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
@@ -215,6 +217,12 @@ __global__ void __launch_bounds__(kWarps * 32, 2)
       // A row's 16-byte chunk j sits at j ^ (address bits 7-8): SWIZZLE_64B on the shared address.
       const bool x_in[2] = {ix >= 0, ix + 1 < lv.width}, y_in[2] = {iy >= 0, iy + 1 < lv.height};
       const uint32_t top_left = window_s + yr * lv.pitch + xr * kRowBytes;
+      if constexpr (kShuffle) {  // the top-left row (a multiple of 64) and which corners lie in the level
+        const uint32_t in_level = (x_in[0] && y_in[0] ? 1u : 0u) | (x_in[1] && y_in[0] ? 2u : 0u) |
+                                  (x_in[0] && y_in[1] ? 4u : 0u) | (x_in[1] && y_in[1] ? 8u : 0u);
+        top_left_words[i] = summed ? top_left | in_level : 0u;
+        continue;
+      }
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
         const uint32_t row = top_left + (k >> 1) * lv.pitch + (k & 1) * kRowBytes;
@@ -227,21 +235,30 @@ __global__ void __launch_bounds__(kWarps * 32, 2)
       const uint32_t slot = (lane + kSlotStride * s) * 16;
       mmdeform_tma::hopper::st_shared_v4(records_s + slot,
                                          make_uint4(b_words[s][0], b_words[s][1], b_words[s][2], b_words[s][3]));
-      mmdeform_tma::hopper::st_shared_v4(records_s + kRecordBytes + slot, make_uint4(corner_words[s][0],
-                                         corner_words[s][1], corner_words[s][2], corner_words[s][3]));
+      if constexpr (!kShuffle) {
+        mmdeform_tma::hopper::st_shared_v4(records_s + kRecordBytes + slot, make_uint4(corner_words[s][0],
+                                           corner_words[s][1], corner_words[s][2], corner_words[s][3]));
+      }
     }
     __syncwarp();
     if (item % kGroups == 0) mmdeform_tma::hopper::mbarrier_wait(&full[l & 1], (l >> 1) & 1);
 
+    const uint32_t corner_offset = (corner >> 1) * lv.pitch + (corner & 1) * kRowBytes;  // kShuffle
     auto pair_steps = [&](int pr) {
       uint4 b, address;
       ld_shared_v4(b_read_s + 32 * pr, b);
-      ld_shared_v4(address_read_s + 32 * pr, address);
+      if constexpr (!kShuffle) ld_shared_v4(address_read_s + 32 * pr, address);
       const uint32_t bs[4] = {b.x, b.y, b.z, b.w}, as[4] = {address.x, address.y, address.z, address.w};
 #pragma unroll
       for (int s = 0; s < 4; ++s) {
+        uint32_t row_address = as[s];
+        if constexpr (kShuffle) {
+          const uint32_t word = __shfl_sync(~0u, top_left_words[s], 2 * pr + pn);
+          const uint32_t row = (word & ~63u) + corner_offset;
+          row_address = ((word >> corner) & 1u) ? row ^ ((row >> 3) & 0x30u) : zero_s;
+        }
         uint32_t a[4];
-        ldmatrix_x4_trans(a, as[s] ^ chunk_bits);
+        ldmatrix_x4_trans(a, row_address ^ chunk_bits);
         mma_16x8x16<T>(acc[pr], a, bs[s] & mask0, bs[s] & mask1);
       }
     };
@@ -400,9 +417,9 @@ CUtensorMap window_row_map(const torch::Tensor& value, int box_width) {
   return map;
 }
 
-template <typename T, int kPoints, int kWarps, bool kLean>
+template <typename T, int kPoints, int kWarps, bool kLean, bool kShuffle>
 void launch(const LevelMaps& maps, const Params& p, int ctas, int heads, int batch, int64_t bytes) {
-  auto kernel = window_tma_forward<T, kPoints, kWarps, kLean>;
+  auto kernel = window_tma_forward<T, kPoints, kWarps, kLean, kShuffle>;
   static int64_t allowed = 0;  // set once a size: not inside a graph capture
   if (bytes > allowed) {
     TORCH_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)) ==
@@ -419,11 +436,12 @@ void launch(const LevelMaps& maps, const Params& p, int ctas, int heads, int bat
 // read: the call is captured in CUDA graphs).
 void run(torch::Tensor value, torch::Tensor locations, torch::Tensor weights, torch::Tensor tiles,
          torch::Tensor windows, std::vector<int64_t> geometry, std::vector<int64_t> buffer_bytes, torch::Tensor out,
-         bool box_swizzle, bool lean) {
+         bool box_swizzle, int64_t version) {
   const int levels = static_cast<int>(geometry.size() / 5);
   TORCH_CHECK(value.size(3) == 32 && levels <= kMaxLevels && geometry.size() == 5u * levels,
               "the probe takes 32 channels and up to 4 levels");
   TORCH_CHECK(buffer_bytes.size() == 2 && locations.size(3) == levels);
+  TORCH_CHECK(version != 2 || !box_swizzle, "the shuffle version takes the shared-address swizzle");
   const int points = static_cast<int>(locations.size(4)), warps = static_cast<int>(tiles.size(1) / 32);
   LevelMaps maps{};
   Params p{};
@@ -450,19 +468,21 @@ void run(torch::Tensor value, torch::Tensor locations, torch::Tensor weights, to
   const int ctas = static_cast<int>(tiles.size(0)), heads = p.heads, batch = static_cast<int>(value.size(0));
   const bool bf16 = value.scalar_type() == torch::kBFloat16;
   TORCH_CHECK(bf16 || value.scalar_type() == torch::kHalf, "fp16 or bf16");
-#define PROBE_CASE(P, LEAN)                                                                           \
-  if (points == P && warps == 6 && lean == LEAN) {                                                    \
+#define PROBE_CASE(P, VERSION, LEAN, SHUFFLE)                                                         \
+  if (points == P && version == VERSION) {                                                            \
     if (bf16)                                                                                         \
-      launch<__nv_bfloat16, P, 6, LEAN>(maps, p, ctas, heads, batch, bytes);                          \
+      launch<__nv_bfloat16, P, 6, LEAN, SHUFFLE>(maps, p, ctas, heads, batch, bytes);                 \
     else                                                                                              \
-      launch<__half, P, 6, LEAN>(maps, p, ctas, heads, batch, bytes);                                 \
+      launch<__half, P, 6, LEAN, SHUFFLE>(maps, p, ctas, heads, batch, bytes);                        \
     return;                                                                                           \
   }
-  PROBE_CASE(4, true)
-  PROBE_CASE(8, true)
-  PROBE_CASE(4, false)
+  PROBE_CASE(4, 1, true, false)
+  PROBE_CASE(8, 1, true, false)
+  PROBE_CASE(4, 2, true, true)
+  PROBE_CASE(8, 2, true, true)
+  PROBE_CASE(4, 0, false, false)
 #undef PROBE_CASE
-  TORCH_CHECK(false, "the probe takes 6 warps and 4 or 8 points (the first version: 4 points)");
+  TORCH_CHECK(false, "the probe takes 4 or 8 points (versions 1 lean and 2 shuffle) or 4 (version 0 barrier)");
 }
 
 torch::Tensor swizzle_check(torch::Tensor value, int64_t box_width, int64_t offset) {
@@ -477,11 +497,13 @@ torch::Tensor swizzle_check(torch::Tensor value, int64_t box_width, int64_t offs
   return out;
 }
 #else
-template __global__ void window_tma_forward<__half, 4, 6, true>(const __grid_constant__ LevelMaps,
-                                                                 const __grid_constant__ Params);
-template __global__ void window_tma_forward<__half, 4, 6, false>(const __grid_constant__ LevelMaps,
-                                                                  const __grid_constant__ Params);
-template __global__ void window_tma_forward<__nv_bfloat16, 8, 6, true>(const __grid_constant__ LevelMaps,
+template __global__ void window_tma_forward<__half, 4, 6, true, false>(const __grid_constant__ LevelMaps,
                                                                         const __grid_constant__ Params);
+template __global__ void window_tma_forward<__half, 4, 6, true, true>(const __grid_constant__ LevelMaps,
+                                                                       const __grid_constant__ Params);
+template __global__ void window_tma_forward<__half, 4, 6, false, false>(const __grid_constant__ LevelMaps,
+                                                                         const __grid_constant__ Params);
+template __global__ void window_tma_forward<__nv_bfloat16, 8, 6, true, true>(const __grid_constant__ LevelMaps,
+                                                                              const __grid_constant__ Params);
 }  // namespace
 #endif

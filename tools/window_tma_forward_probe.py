@@ -47,12 +47,13 @@ ROW_BYTES = 64  # a head's 32 channels of 2 bytes
 SLOT_STRIDE = 34  # window_tma_forward_probe.cu: kSlotStride
 WARP_RECORD_BYTES = 2 * (31 + 3 * SLOT_STRIDE + 1) * 16
 SHARED_LIMIT = 227 * 1024
+VERSIONS = {"barrier": 0, "lean": 1, "shuffle": 2}  # the kernel's `version`
 SOURCE = Path(__file__).with_suffix(".cu")
 HOPPER_SOURCES = Path(__file__).resolve().parents[1] / "mmdeform_tma" / "csrc" / "hopper"
 SIGNATURES = (
     "void run(torch::Tensor value, torch::Tensor locations, torch::Tensor weights, torch::Tensor tiles, "
     "torch::Tensor windows, std::vector<int64_t> geometry, std::vector<int64_t> buffer_bytes, torch::Tensor out, "
-    "bool box_swizzle, bool lean);"
+    "bool box_swizzle, int64_t version);"
     "torch::Tensor swizzle_check(torch::Tensor value, int64_t box_width, int64_t offset);"
 )
 
@@ -189,9 +190,10 @@ def main(argv=None) -> int:
     p.add_argument("--dtypes", nargs="*", default=["float16", "bfloat16"], choices=["float16", "bfloat16"])
     p.add_argument("--region", type=parse_shape, default=(8, 16), help="HxW pixels of the finest level")
     p.add_argument("--warps", type=int, default=6, choices=[6])
-    p.add_argument("--versions", nargs="*", default=["lean"], choices=["lean", "barrier"],
-                   help="lean: pairs in branch-free blocks of four, no CTA barrier between levels; barrier: the "
-                        "first version (a barrier a level, a branch a pair; 4 points only)")
+    p.add_argument("--versions", nargs="*", default=["lean"], choices=list(VERSIONS),
+                   help="lean: pairs in branch-free blocks of four, no CTA barrier between levels; shuffle: lean, "
+                        "the corner addresses formed from the owning lane's word by shfl; barrier: the first "
+                        "version (a barrier a level, a branch a pair; 4 points only)")
     p.add_argument("--margin", type=int, default=6, help="window margin, pixels each side of the references")
     p.add_argument("--compare", nargs="*", default=[], choices=["dcnv4"])
     p.add_argument("--backends", nargs="*", default=["tma_ws", "cuda"])
@@ -240,7 +242,8 @@ def main(argv=None) -> int:
             exact = ms_deform_attn_reference(value.double(), shapes_t, loc[:, pick].double(), attn[:, pick].double())
             ours = mmdeform_tma.multi_scale_deformable_attn(*check, backend="tma_ws")[:, pick]
             probe_out = torch.full_like(outs[0], float("nan"))
-            module.run(value, loc, attn, tiles, windows, geometry, buffers, probe_out, box_swizzle, True)
+            first = VERSIONS[args.versions[0]] if args.versions else VERSIONS["lean"]
+            module.run(value, loc, attn, tiles, windows, geometry, buffers, probe_out, box_swizzle, first)
             row = {
                 "preset": preset, "dtype": dtype_name, "ctas": int(tiles.shape[0]), "region": list(args.region),
                 "box_swizzle": box_swizzle,
@@ -255,9 +258,12 @@ def main(argv=None) -> int:
             names = probes + list(args.backends) + list(args.compare)
             for name in names:
                 if name in probes:
-                    lean = name == "probe_lean"
-                    calls = [lambda i=i, lean=lean: module.run(sets[i][0], sets[i][3], sets[i][4], tiles, windows,
-                                                               geometry, buffers, outs[i], box_swizzle, lean)
+                    version = VERSIONS[name[len("probe_"):]]
+                    check_out = torch.full_like(outs[0], float("nan"))
+                    module.run(value, loc, attn, tiles, windows, geometry, buffers, check_out, box_swizzle, version)
+                    row[f"rel_err_{name}"] = benchmark_op.rel_l2(check_out[:, pick], exact)
+                    calls = [lambda i=i, v=version: module.run(sets[i][0], sets[i][3], sets[i][4], tiles, windows,
+                                                               geometry, buffers, outs[i], box_swizzle, v)
                              for i in range(len(sets))]
                 else:
                     bound = [benchmark_op.bind(name, s) for s in sets]
