@@ -28,6 +28,7 @@
 #include <cstdint>
 
 #include "mma_fragments.cuh"  // tools/window_mma_forward_probe.py puts mmdeform_tma/csrc/hopper on the include path
+#include "window_probe_common.cuh"
 
 namespace {
 
@@ -37,25 +38,7 @@ constexpr int kRowBytes = 64;  // 32 channels of 2 bytes
 constexpr int kMaxLevels = 8;
 constexpr int kStageBytes = 4 * 16 * kRowBytes;  // each warp's 16 output rows, staged in the records
 
-template <typename T>
-struct HalfPair;  // two floats as one 32-bit pair of T, and back
-template <>
-struct HalfPair<__half> {
-  __device__ static uint32_t pack(float a, float b) {
-    __half2 h = __floats2half2_rn(a, b);
-    return *reinterpret_cast<uint32_t*>(&h);
-  }
-  __device__ static float2 unpack(uint32_t u) { return __half22float2(*reinterpret_cast<__half2*>(&u)); }
-};
-template <>
-struct HalfPair<__nv_bfloat16> {
-  __device__ static uint32_t pack(float a, float b) {
-    __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
-    return *reinterpret_cast<uint32_t*>(&h);
-  }
-  __device__ static float2 unpack(uint32_t u) { return __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&u)); }
-};
-
+using window_probe::HalfPair;
 using mmdeform_tma::hopper::ldmatrix_x4_trans;  // the package's tensor-core pieces (mma_fragments.cuh)
 using mmdeform_tma::hopper::mma_16x8x16;
 
@@ -73,7 +56,7 @@ __device__ float corner_value(const T* value, int64_t row0, const Level& lv, int
                               int channel) {
   if (y < 0 || x < 0 || y >= lv.height || x >= lv.width) return 0.f;
   const int64_t key = row0 + lv.start + static_cast<int64_t>(y) * lv.width + x;
-  return static_cast<float>(value[(key * heads + head) * 32 + channel]);
+  return HalfPair<T>::to_float(value[(key * heads + head) * 32 + channel]);
 }
 
 
@@ -363,12 +346,7 @@ __global__ void __launch_bounds__(kThreads) window_mma_forward(
   static_assert(kSlots * kTilePoints * sizeof(uint4) >= kStageBytes, "the stage takes the records' place");
   __syncthreads();  // every warp is past its last read of the records
   T* my_stage = reinterpret_cast<T*>(records) + warp * 16 * 32;
-#pragma unroll
-  for (int pr = 0; pr < 8; ++pr) {
-    const int row = 2 * pr + (t >> 1), c0 = 16 * (t & 1) + g;
-    my_stage[row * 32 + c0] = mmdeform_tma::from_acc<T>(acc[pr][0] + acc[pr][1]);
-    my_stage[row * 32 + c0 + 8] = mmdeform_tma::from_acc<T>(acc[pr][2] + acc[pr][3]);
-  }
+  window_probe::stage_pair_sums<T, 8>(acc, my_stage, g, t);
   __syncwarp();
 #pragma unroll
   for (int i = 0; i < 2; ++i) {

@@ -114,6 +114,49 @@ def emulate_step(rows, hi, lo):
     return out
 
 
+def rotated_sets_and_outputs(shape, dtype: torch.dtype, device: torch.device):
+    """The timed input sets (rotated, local sampling) and an output tensor for each."""
+    sets = benchmark_op.rotated_input_sets(shape, dtype, "local", device)
+    outs = [torch.empty(s[3].shape[0], s[3].shape[1], shape.heads * shape.channels, device=device, dtype=dtype)
+            for s in sets]
+    return sets, outs
+
+
+def accuracy_set(shape, dtype: torch.dtype, device: torch.device, queries: int):
+    """(a fresh input set, `queries` queries of every level picked from it, their float64 result, `tma_ws`'s):
+    what a probe's output is checked against."""
+    import mmdeform_tma
+
+    check = benchmark_op.make_inputs(shape, dtype, "local", device, 1234)
+    pick = torch.randperm(shape.num_queries, generator=torch.Generator().manual_seed(0))[:queries].to(device)
+    value, shapes_t, _, loc, attn = check
+    exact = ms_deform_attn_reference(value.double(), shapes_t, loc[:, pick].double(), attn[:, pick].double())
+    ours = mmdeform_tma.multi_scale_deformable_attn(*check, backend="tma_ws")[:, pick]
+    return check, pick, exact, ours
+
+
+def time_and_compare(row: dict, probe_calls: dict, backends: list, sets, device, warmup: int, iters: int) -> dict:
+    """Times each probe's calls and each backend bound to `sets` (same rotated inputs, same process) into
+    row["<name>_ms"] and ["<name>_p90_ms"], each backend's time over the fastest probe's and the timing mode;
+    prints the row as a JSON line and returns it."""
+    mode = ""
+    for name, calls in list(probe_calls.items()) + [(b, None) for b in backends]:
+        if calls is None:
+            bound = [benchmark_op.bind(name, s) for s in sets]
+            calls = [lambda b=b: b.run(*b.leaves) for b in bound]
+        with torch.no_grad():
+            samples, mode = bench_common.time_calls(device, calls, warmup, iters)
+        stats = bench_common.summarize(samples)
+        row[f"{name}_ms"] = stats["median_ms"]
+        row[f"{name}_p90_ms"] = stats["p90_ms"]
+    best = min(row[f"{name}_ms"] for name in probe_calls)
+    for name in backends:
+        row[f"{name}_over_best_probe"] = row[f"{name}_ms"] / best
+    row["timing"] = mode
+    print(json.dumps(row), flush=True)
+    return row
+
+
 def parse_shapes(text: list[str]) -> list[tuple[int, int]]:
     return [tuple(int(v) for v in s.split("x")) for s in text]
 
@@ -140,11 +183,9 @@ def main(argv=None) -> int:
         return 2
     from torch.utils.cpp_extension import load_inline
 
-    import mmdeform_tma
-
     module = load_inline("window_mma_forward_probe", SIGNATURE, cuda_sources=SOURCE.read_text(), functions=["run"],
                          extra_cuda_cflags=["-O3", "-gencode=arch=compute_90a,code=sm_90a"],
-                         extra_include_paths=[str(HOPPER_SOURCES)])
+                         extra_include_paths=[str(HOPPER_SOURCES), str(SOURCE.parent)])  # + window_probe_common.cuh
     device = torch.device("cuda")
     tile_shapes = parse_shapes(args.tile_shapes)
     rows = []
@@ -155,46 +196,26 @@ def main(argv=None) -> int:
         tiles = encoder_tiles(list(shape.levels), tile_shapes).to(device)
         for dtype_name in args.dtypes:
             dtype = getattr(torch, dtype_name)
-            sets = benchmark_op.rotated_input_sets(shape, dtype, "local", device)
-            outs = [torch.empty(s[3].shape[0], s[3].shape[1], shape.heads * shape.channels, device=device,
-                                dtype=dtype) for s in sets]
+            sets, outs = rotated_sets_and_outputs(shape, dtype, device)
 
-            check = benchmark_op.make_inputs(shape, dtype, "local", device, 1234)  # accuracy: a fresh set
-            pick = torch.randperm(shape.num_queries, generator=torch.Generator().manual_seed(0))
-            pick = pick[: args.accuracy_queries].to(device)  # queries of every level
-            value, shapes_t, _, loc, attn = check
-            exact = ms_deform_attn_reference(value.double(), shapes_t, loc[:, pick].double(), attn[:, pick].double())
-            ours = mmdeform_tma.multi_scale_deformable_attn(*check, backend="tma_ws")[:, pick]
+            check, pick, exact, ours = accuracy_set(shape, dtype, device, args.accuracy_queries)
             row = {
                 "preset": preset, "dtype": dtype_name, "tiles": int(tiles.shape[0]),
                 "rel_err_tma_ws": benchmark_op.rel_l2(ours, exact),
                 "rounding_err": benchmark_op.rel_l2(exact.to(dtype), exact),
             }
-            names = [f"probe_{s}" for s in args.schedules] + list(args.backends) + list(args.compare)
-            for name in names:
-                if name.startswith("probe_"):
-                    overlap = name == "probe_overlap"
-                    cap = args.max_pixels or SCHEDULES[name[len("probe_"):]]
-                    check_out = torch.empty_like(outs[0])
-                    module.run(*check, tiles, check_out, cap, args.max_width, overlap)
-                    row[f"rel_err_{name}"] = benchmark_op.rel_l2(check_out[:, pick], exact)
-                    calls = [lambda i=i, c=cap, o=overlap: module.run(*sets[i], tiles, outs[i], c, args.max_width, o)
-                             for i in range(len(sets))]
-                else:
-                    bound = [benchmark_op.bind(name, s) for s in sets]
-                    calls = [lambda b=b: b.run(*b.leaves) for b in bound]
-                with torch.no_grad():
-                    samples, mode = bench_common.time_calls(device, calls, args.warmup, args.iters)
-                stats = bench_common.summarize(samples)
-                row[f"{name}_ms"] = stats["median_ms"]
-                row[f"{name}_p90_ms"] = stats["p90_ms"]
-            best = min(row[f"{n}_ms"] for n in names if n.startswith("probe_"))
-            for name in names:
-                if not name.startswith("probe_"):
-                    row[f"{name}_over_best_probe"] = row[f"{name}_ms"] / best
-            row["timing"] = mode
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+            probe_calls = {}
+            for schedule in args.schedules:
+                name, overlap = f"probe_{schedule}", schedule == "overlap"
+                cap = args.max_pixels or SCHEDULES[schedule]
+                check_out = torch.empty_like(outs[0])
+                module.run(*check, tiles, check_out, cap, args.max_width, overlap)
+                row[f"rel_err_{name}"] = benchmark_op.rel_l2(check_out[:, pick], exact)
+                probe_calls[name] = [lambda i=i, c=cap, o=overlap: module.run(*sets[i], tiles, outs[i], c,
+                                                                              args.max_width, o)
+                                     for i in range(len(sets))]
+            rows.append(time_and_compare(row, probe_calls, list(args.backends) + list(args.compare), sets, device,
+                                         args.warmup, args.iters))
     if args.out:
         bench_common.write_json(args.out, {"environment": bench_common.environment(device), "args": vars(args) | {
             "out": str(args.out)}, "rows": rows})

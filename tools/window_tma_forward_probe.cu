@@ -29,6 +29,7 @@
 
 #include "mma_fragments.cuh"   // the package's tensor-core pieces
 #include "tma_primitives.cuh"  // and its mbarrier and TMA wrappers
+#include "window_probe_common.cuh"
 
 namespace {
 
@@ -66,26 +67,7 @@ struct Params {
   int box_swizzle;         // 1 if the TMA swizzles from each box's start, not from the shared address
 };
 
-template <typename T>
-struct HalfPair;  // two floats as one 32-bit pair of T
-template <>
-struct HalfPair<__half> {
-  __device__ static uint32_t pack(float a, float b) {
-    __half2 h = __floats2half2_rn(a, b);
-    return *reinterpret_cast<uint32_t*>(&h);
-  }
-  __device__ static float2 unpack(uint32_t u) { return __half22float2(*reinterpret_cast<__half2*>(&u)); }
-  __device__ static float to_float(__half x) { return __half2float(x); }
-};
-template <>
-struct HalfPair<__nv_bfloat16> {
-  __device__ static uint32_t pack(float a, float b) {
-    __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
-    return *reinterpret_cast<uint32_t*>(&h);
-  }
-  __device__ static float2 unpack(uint32_t u) { return __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&u)); }
-  __device__ static float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
-};
+using window_probe::HalfPair;
 
 __device__ __forceinline__ void ld_shared_v4(uint32_t address, uint4& v) {
   asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
@@ -221,13 +203,13 @@ __global__ void __launch_bounds__(kWarps * 32, 2)
         const uint32_t in_level = (x_in[0] && y_in[0] ? 1u : 0u) | (x_in[1] && y_in[0] ? 2u : 0u) |
                                   (x_in[0] && y_in[1] ? 4u : 0u) | (x_in[1] && y_in[1] ? 8u : 0u);
         top_left_words[i] = summed ? top_left | in_level : 0u;
-        continue;
-      }
+      } else {
 #pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        const uint32_t row = top_left + (k >> 1) * lv.pitch + (k & 1) * kRowBytes;
-        const uint32_t swizzle = p.box_swizzle ? ((xr + (k & 1)) << 3) & 0x30u : (row >> 3) & 0x30u;
-        corner_words[k][i] = (summed && x_in[k & 1] && y_in[k >> 1]) ? row ^ swizzle : zero_s;
+        for (int k = 0; k < 4; ++k) {
+          const uint32_t row = top_left + (k >> 1) * lv.pitch + (k & 1) * kRowBytes;
+          const uint32_t swizzle = p.box_swizzle ? ((xr + (k & 1)) << 3) & 0x30u : (row >> 3) & 0x30u;
+          corner_words[k][i] = (summed && x_in[k & 1] && y_in[k >> 1]) ? row ^ swizzle : zero_s;
+        }
       }
     }
 #pragma unroll
@@ -245,7 +227,7 @@ __global__ void __launch_bounds__(kWarps * 32, 2)
 
     const uint32_t corner_offset = (corner >> 1) * lv.pitch + (corner & 1) * kRowBytes;  // kShuffle
     auto pair_steps = [&](int pr) {
-      uint4 b, address;
+      uint4 b, address = make_uint4(0u, 0u, 0u, 0u);
       ld_shared_v4(b_read_s + 32 * pr, b);
       if constexpr (!kShuffle) ld_shared_v4(address_read_s + 32 * pr, address);
       const uint32_t bs[4] = {b.x, b.y, b.z, b.w}, as[4] = {address.x, address.y, address.z, address.w};
@@ -342,12 +324,7 @@ __global__ void __launch_bounds__(kWarps * 32, 2)
   // D: lane (g, t) holds query 2 pr + (t >> 1), channels 16 (t & 1) + g (d0 hi, d1 lo) and + 8 (d2, d3).
   __syncwarp();
   T* stage = reinterpret_cast<T*>(smem + (records_s - smem_s));
-#pragma unroll
-  for (int pr = 0; pr < 16; ++pr) {
-    const int row = 2 * pr + (t >> 1), c0 = 16 * (t & 1) + g;
-    stage[row * 32 + c0] = mmdeform_tma::from_acc<T>(acc[pr][0] + acc[pr][1]);
-    stage[row * 32 + c0 + 8] = mmdeform_tma::from_acc<T>(acc[pr][2] + acc[pr][3]);
-  }
+  window_probe::stage_pair_sums<T, 16>(acc, stage, g, t);
   __syncwarp();
 #pragma unroll
   for (int i = 0; i < 4; ++i) {

@@ -40,8 +40,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_common  # noqa: E402
 import benchmark_op  # noqa: E402
-
-from mmdeform_tma.reference import ms_deform_attn_reference  # noqa: E402
+from window_mma_forward_probe import accuracy_set, rotated_sets_and_outputs, time_and_compare  # noqa: E402
 
 ROW_BYTES = 64  # a head's 32 channels of 2 bytes
 SLOT_STRIDE = 34  # window_tma_forward_probe.cu: kSlotStride
@@ -208,12 +207,10 @@ def main(argv=None) -> int:
         return 2
     from torch.utils.cpp_extension import load_inline
 
-    import mmdeform_tma
-
     module = load_inline("window_tma_forward_probe", SIGNATURES, cuda_sources=SOURCE.read_text(),
                          functions=["run", "swizzle_check"],
                          extra_cuda_cflags=["-O3", "-gencode=arch=compute_90a,code=sm_90a"],
-                         extra_include_paths=[str(HOPPER_SOURCES), str(HOPPER_SOURCES.parent)])
+                         extra_include_paths=[str(HOPPER_SOURCES), str(HOPPER_SOURCES.parent), str(SOURCE.parent)])
     device = torch.device("cuda")
     report = {"swizzle_model": check_swizzle(module, device)} if args.swizzle_check else {}
     if report:
@@ -232,15 +229,9 @@ def main(argv=None) -> int:
         tiles, windows = plan["tiles"].to(device), plan["windows"].to(device)
         for dtype_name in args.dtypes:
             dtype = getattr(torch, dtype_name)
-            sets = benchmark_op.rotated_input_sets(shape, dtype, "local", device)
-            outs = [torch.empty(s[3].shape[0], s[3].shape[1], shape.heads * shape.channels, device=device,
-                                dtype=dtype) for s in sets]
-            check = benchmark_op.make_inputs(shape, dtype, "local", device, 1234)  # accuracy: a fresh set
-            pick = torch.randperm(shape.num_queries, generator=torch.Generator().manual_seed(0))
-            pick = pick[: args.accuracy_queries].to(device)  # queries of every level
-            value, shapes_t, _, loc, attn = check
-            exact = ms_deform_attn_reference(value.double(), shapes_t, loc[:, pick].double(), attn[:, pick].double())
-            ours = mmdeform_tma.multi_scale_deformable_attn(*check, backend="tma_ws")[:, pick]
+            sets, outs = rotated_sets_and_outputs(shape, dtype, device)
+            check, pick, exact, ours = accuracy_set(shape, dtype, device, args.accuracy_queries)
+            value, _, _, loc, attn = check
             probe_out = torch.full_like(outs[0], float("nan"))
             first = VERSIONS[args.versions[0]] if args.versions else VERSIONS["lean"]
             module.run(value, loc, attn, tiles, windows, geometry, buffers, probe_out, box_swizzle, first)
@@ -254,32 +245,18 @@ def main(argv=None) -> int:
                 "rounding_err": benchmark_op.rel_l2(exact.to(dtype), exact),
                 "probe_nonfinite": int((~torch.isfinite(probe_out)).sum()),
             }
-            probes = [f"probe_{v}" for v in args.versions]
-            names = probes + list(args.backends) + list(args.compare)
-            for name in names:
-                if name in probes:
-                    version = VERSIONS[name[len("probe_"):]]
-                    check_out = torch.full_like(outs[0], float("nan"))
-                    module.run(value, loc, attn, tiles, windows, geometry, buffers, check_out, box_swizzle, version)
-                    row[f"rel_err_{name}"] = benchmark_op.rel_l2(check_out[:, pick], exact)
-                    calls = [lambda i=i, v=version: module.run(sets[i][0], sets[i][3], sets[i][4], tiles, windows,
-                                                               geometry, buffers, outs[i], box_swizzle, v)
-                             for i in range(len(sets))]
-                else:
-                    bound = [benchmark_op.bind(name, s) for s in sets]
-                    calls = [lambda b=b: b.run(*b.leaves) for b in bound]
-                with torch.no_grad():
-                    samples, mode = bench_common.time_calls(device, calls, args.warmup, args.iters)
-                stats = bench_common.summarize(samples)
-                row[f"{name}_ms"] = stats["median_ms"]
-                row[f"{name}_p90_ms"] = stats["p90_ms"]
-            best = min(row[f"{name}_ms"] for name in probes)
-            for name in names:
-                if name not in probes:
-                    row[f"{name}_over_best_probe"] = row[f"{name}_ms"] / best
-            row["timing"] = mode
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+            probe_calls = {}
+            for version_name in args.versions:
+                name, version = f"probe_{version_name}", VERSIONS[version_name]
+                check_out = torch.full_like(outs[0], float("nan"))
+                module.run(value, loc, attn, tiles, windows, geometry, buffers, check_out, box_swizzle, version)
+                row[f"rel_err_{name}"] = benchmark_op.rel_l2(check_out[:, pick], exact)
+                probe_calls[name] = [lambda i=i, v=version: module.run(sets[i][0], sets[i][3], sets[i][4], tiles,
+                                                                       windows, geometry, buffers, outs[i],
+                                                                       box_swizzle, v)
+                                     for i in range(len(sets))]
+            rows.append(time_and_compare(row, probe_calls, list(args.backends) + list(args.compare), sets, device,
+                                         args.warmup, args.iters))
     if args.out:
         bench_common.write_json(args.out, {"environment": bench_common.environment(device), "args": {
             k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}, **report, "rows": rows})
