@@ -125,3 +125,23 @@ def test_the_two_swizzle_models_disagree_at_a_128_byte_offset():
     models = probe.swizzle_models(30, 128)
     assert models["address"] != models["box"]
     assert probe.swizzle_models(30, 0)["address"] == probe.swizzle_models(30, 0)["box"]
+
+
+def shuffle_address(word: int, corner: int, pitch: int, zero: int) -> int:
+    """The shuffle version's address of `corner` from its point's top-left word (row | corners in the level)."""
+    row = (word & ~63) + (corner >> 1) * pitch + (corner & 1) * probe.ROW_BYTES
+    return corner_word(row) if (word >> corner) & 1 else zero
+
+
+@pytest.mark.parametrize("width", [18, 30])
+def test_the_shuffle_version_forms_the_records_corner_addresses(width):
+    rng = random.Random(width)
+    pitch, zero = width * probe.ROW_BYTES, 128
+    for _ in range(500):
+        top_left = 1024 + rng.randrange(20) * pitch + rng.randrange(width - 1) * probe.ROW_BYTES
+        inside = rng.randrange(16)  # which corners lie in the level
+        for corner in range(4):
+            row = top_left + (corner >> 1) * pitch + (corner & 1) * probe.ROW_BYTES
+            want = corner_word(row) if (inside >> corner) & 1 else zero
+            assert shuffle_address(top_left | inside, corner, pitch, zero) == want
+    assert all(shuffle_address(0, corner, pitch, zero) == zero for corner in range(4))  # a point not summed
