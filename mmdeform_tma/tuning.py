@@ -58,6 +58,11 @@ def shape_key(dtype: torch.dtype, heads: int, channels: int, levels: int, points
     return f"{str(dtype).removeprefix('torch.')}/h{heads}/c{channels}/l{levels}/p{points}/w{work_bits(work)}"
 
 
+def self_attention(inputs: MSDAInputs) -> bool:
+    """One query per key: what the self-attention-only configs need beside the table key."""
+    return inputs.num_queries == inputs.num_keys
+
+
 def inputs_key(inputs: MSDAInputs) -> str:
     return shape_key(
         inputs.dtype, inputs.num_heads, inputs.channels, inputs.num_levels, inputs.num_points, inputs.batch * inputs.num_queries
@@ -158,15 +163,33 @@ def backward_direction() -> str:
     return DETERMINISTIC_BACKWARD if torch.are_deterministic_algorithms_enabled() else "backward"
 
 
-def compiled_ranking(ranked: list[tuple[str, float]], backend: str, direction: str) -> list[tuple[str, float]]:
-    """A measured ranking without the configs this build does not compile."""
+# Configs that run only on encoder self-attention (one query per key): the tma_ws region forward. A
+# table key (batch x queries) does not tell an encoder from a decoder of as many queries in all, so
+# their measurements stand only for calls of one query per key.
+SELF_ATTENTION_ONLY = ("rg_",)
+
+
+def compiled_ranking(
+    ranked: list[tuple[str, float]], backend: str, direction: str, self_attention: bool = True
+) -> list[tuple[str, float]]:
+    """A measured ranking without the configs this build does not compile, and without those that
+    need self-attention where the call is not."""
     names = kernel_configs(backend, kernel_direction(direction))
-    return [(config, ms) for config, ms in ranked if config in names]
+    return [
+        (config, ms)
+        for config, ms in ranked
+        if config in names and (self_attention or not config.startswith(SELF_ATTENTION_ONLY))
+    ]
 
 
 @functools.cache
 def nearest_times(
-    device: str, capability: tuple[int, int], key: str, direction: str, candidates: tuple[str, ...]
+    device: str,
+    capability: tuple[int, int],
+    key: str,
+    direction: str,
+    candidates: tuple[str, ...],
+    self_attention: bool = True,
 ) -> tuple[str, dict[str, float]] | None:
     """The nearest measured shape with a time for any candidate in `direction`, and those times
     (each backend's best config that this build compiles)."""
@@ -175,7 +198,9 @@ def nearest_times(
     for measured_key, per_backend in measurements(device, capability).items():
         times = {}
         for backend in candidates:
-            ranked = compiled_ranking(per_backend.get(backend, {}).get(direction) or [], backend, direction)
+            ranked = compiled_ranking(
+                per_backend.get(backend, {}).get(direction) or [], backend, direction, self_attention
+            )
             if ranked:
                 times[backend] = ranked[0][1]
         if times:
@@ -186,10 +211,17 @@ def nearest_times(
 
 
 @torch.compiler.assume_constant_result
-def _fastest(device: str, capability: tuple[int, int], key: str, direction: str, candidates: tuple[str, ...]) -> str:
-    found = nearest_times(device, capability, key, direction, candidates)
+def _fastest(
+    device: str,
+    capability: tuple[int, int],
+    key: str,
+    direction: str,
+    candidates: tuple[str, ...],
+    self_attention: bool = True,
+) -> str:
+    found = nearest_times(device, capability, key, direction, candidates, self_attention)
     if found is None and direction == DETERMINISTIC_BACKWARD:
-        found = nearest_times(device, capability, key, "backward", candidates)
+        found = nearest_times(device, capability, key, "backward", candidates, self_attention)
     if found is None:
         return candidates[0]
     times = found[1]
@@ -201,18 +233,22 @@ def fastest_backend(direction: str, inputs: MSDAInputs, candidates: tuple[str, .
     at this shape or the nearest measured one; the first when nothing of this GPU's architecture
     was measured."""
     device = inputs.device
-    return _fastest(device_name(device), device_capability(device), inputs_key(inputs), direction, candidates)
+    return _fastest(
+        device_name(device), device_capability(device), inputs_key(inputs), direction, candidates, self_attention(inputs)
+    )
 
 
 @functools.cache
-def ranked_configs(device: str, capability: tuple[int, int], key: str, backend: str, direction: str) -> tuple[str, ...]:
+def ranked_configs(
+    device: str, capability: tuple[int, int], key: str, backend: str, direction: str, self_attention: bool = True
+) -> tuple[str, ...]:
     """Compiled config names for this shape, best first: its own measurement, else the nearest
     measured shape of the same layout (dtype, heads, channels), whose variants are valid for it;
     else none."""
     target = ShapeKey.parse(key)
     best = None
     for measured_key, per_backend in measurements(device, capability).items():
-        ranked = compiled_ranking(per_backend.get(backend, {}).get(direction) or [], backend, direction)
+        ranked = compiled_ranking(per_backend.get(backend, {}).get(direction) or [], backend, direction, self_attention)
         measured = ShapeKey.parse(measured_key)
         same_layout = (measured.dtype, measured.heads, measured.channels) == (target.dtype, target.heads, target.channels)
         if ranked and same_layout:
@@ -223,10 +259,12 @@ def ranked_configs(device: str, capability: tuple[int, int], key: str, backend: 
 
 
 @torch.compiler.assume_constant_result
-def _best_config(device: str, capability: tuple[int, int], key: str, backend: str, direction: str) -> int:
-    ranked = ranked_configs(device, capability, key, backend, direction)
+def _best_config(
+    device: str, capability: tuple[int, int], key: str, backend: str, direction: str, self_attention: bool = True
+) -> int:
+    ranked = ranked_configs(device, capability, key, backend, direction, self_attention)
     if not ranked and direction == DETERMINISTIC_BACKWARD:
-        ranked = ranked_configs(device, capability, key, backend, "backward")
+        ranked = ranked_configs(device, capability, key, backend, "backward", self_attention)
     return kernel_configs(backend, kernel_direction(direction)).index(ranked[0]) if ranked else -1
 
 
@@ -235,7 +273,9 @@ def kernel_config(backend: str, direction: str, inputs: MSDAInputs) -> int:
     device = inputs.device
     if device.type != "cuda":
         return -1
-    return _best_config(device_name(device), device_capability(device), inputs_key(inputs), backend, direction)
+    return _best_config(
+        device_name(device), device_capability(device), inputs_key(inputs), backend, direction, self_attention(inputs)
+    )
 
 
 def clear_caches() -> None:

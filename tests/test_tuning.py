@@ -267,3 +267,23 @@ def test_work_bits_is_bit_length_and_guards_a_symbolic_size_on_its_range_only():
     q = queries.node.expr
     assert guards(env)[-2:] == [f"2*{q} >= 32768", f"2*{q} < 65536"]
     assert not any(g.startswith("Eq(") for g in guards(env))
+
+
+
+def test_self_attention_only_configs_stand_only_for_one_query_per_key(table, monkeypatch):
+    """A region forward config (`rg_*`) measured fastest on an encoder is not chosen for a decoder of as
+    many queries in all (the same table key): the next config is, and the backend choice follows that
+    config's time."""
+    key = "float16/h8/c32/l4/p4/w16"
+    entries = [e for e in SYNTHETIC if (e["key"], e["backend"], e["direction"]) != (key, "tma_ws", "forward")]
+    entries.append(entry(key, "tma_ws", "forward", ("rg_r8x16", 0.13), ("ws_a", 0.43)))
+    table.write_text(json.dumps({"format": tuning.TABLE_FORMAT, "device": GPU, "capability": list(CAPABILITY), "entries": entries}))
+    names = compiled_names(entries)
+    monkeypatch.setattr(_extension, "_kernel_configs", lambda backend, direction: names.get((backend, direction), ()))
+    tuning.clear_caches()
+    forward = _extension.kernel_configs("tma_ws", "forward")
+    best = lambda attention: tuning._best_config(GPU, CAPABILITY, key, "tma_ws", "forward", attention)  # noqa: E731
+    assert best(True) == forward.index("rg_r8x16")
+    assert best(False) == forward.index("ws_a")
+    assert tuning._fastest(GPU, CAPABILITY, key, "forward", ALL, True) == "tma_ws"  # 0.13 against cuda's 0.21
+    assert tuning._fastest(GPU, CAPABILITY, key, "forward", ALL, False) == "cuda"  # 0.43 against 0.21

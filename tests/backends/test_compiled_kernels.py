@@ -346,15 +346,15 @@ def test_every_tma_ws_config_against_float64(case, dtype):
     names = kernel_configs("tma_ws", "forward")
     assert len(names) >= 8
     for config, name in enumerate(names):
-        if reason := tensor_core_forward_reason(name, problem):
+        if reason := tensor_core_forward_reason(name, problem) or region_forward_reason(name, problem):
             with pytest.raises(RuntimeError, match=reason):
                 torch.ops.mmdeform_tma.ms_deform_attn_forward(*problem.args(), "tma_ws", config)
             continue
         out = torch.ops.mmdeform_tma.ms_deform_attn_forward(*problem.args(), "tma_ws", config)
         check(out, answers[0], f"{name} output")
     backward_names = kernel_configs("tma_ws", "backward")
-    shared = [name for name in names if not name.startswith("tc_")]
-    assert list(names) == shared + tensor_core_forward_configs()  # the forward-only configs come last
+    shared = [name for name in names if not name.startswith(("tc_", "rg_"))]
+    assert list(names) == shared + tensor_core_forward_configs() + region_forward_configs()  # forward-only last
     assert list(backward_names[: len(shared)]) == shared  # the backward-only configs come last
     for config, name in enumerate(backward_names):
         for deterministic in (False, True) if name.endswith("_g") or "_m16" in name else (False,):
@@ -373,6 +373,29 @@ def tensor_core_forward_reason(name: str, problem) -> str | None:
         return "takes float16 or bfloat16 values"
     if problem.value.shape[-1] != 32:
         return "takes heads of 32 channels"
+    return None
+
+
+def region_forward_configs() -> list[str]:
+    return [name for name in kernel_configs("tma_ws", "forward") if name.startswith("rg_")]
+
+
+def region_forward_reason(name: str, problem) -> str | None:
+    """The error a region forward config (`rg_*`) must raise for this problem, if any."""
+    if not name.startswith("rg_"):
+        return None
+    batch, keys, _, channels = problem.value.shape
+    queries, levels, points = problem.sampling_locations.shape[1], *problem.sampling_locations.shape[3:5]
+    if problem.value.dtype not in (torch.float16, torch.bfloat16):
+        return "takes float16 or bfloat16 values"
+    if channels != 32:
+        return "takes heads of 32 channels"
+    if queries != keys:
+        return "takes encoder self-attention"
+    if points not in (4, 8):
+        return "takes 4 or 8 points a level"
+    if not 2 <= levels <= 5:
+        return "takes 2 to 5 levels"
     return None
 
 
@@ -438,12 +461,18 @@ def test_tma_ws_tensor_core_forward_non_finite_inputs():
     loc = problem.sampling_locations.clone()
     loc[0, 3, 0, 1, 0] = float("nan")
     loc[1, 4, 2, 0, 3] = float("inf")
-    args = (value, problem.spatial_shapes, problem.level_start_index, loc, weights)
+    check_non_finite_propagation((value, problem.spatial_shapes, problem.level_start_index, loc, weights),
+                                 tensor_core_forward_configs())
+
+
+def check_non_finite_propagation(args, configs: list[str]) -> None:
+    """Each named tma_ws forward config puts NaN and Inf exactly where the float64 reference does, and
+    meets the accuracy rule on the finite outputs."""
     expected = gather_reference(*[t.double() if t.is_floating_point() else t for t in args])
     finite = torch.isfinite(expected)
     assert (~finite).any() and finite.any()
     names = kernel_configs("tma_ws", "forward")
-    for name in tensor_core_forward_configs():
+    for name in configs:
         out = torch.ops.mmdeform_tma.ms_deform_attn_forward(*args, "tma_ws", names.index(name))
         assert torch.equal(torch.isnan(out), torch.isnan(expected)), name
         assert torch.equal(torch.isinf(out), torch.isinf(expected)), name
@@ -1172,3 +1201,117 @@ def test_value_gradient_layout_names_what_it_cannot_do(monkeypatch):
         backward_with_layout(monkeypatch, "sorted", wide, wide_grad, "cuda", True)
     grads = backward_with_layout(monkeypatch, "auto", problem, grad_output, "cuda", False)
     assert grads[0].shape == problem.value.shape
+
+
+# Encoder self-attention (one query per key) of 32-channel heads for the region forward (`rg_*`):
+# DETR-like levels; 8 points and 5 levels; 2 levels of odd sizes whose regions are cut at the
+# edges; three levels, the second larger than the first (regions of more than 192 queries in
+# passes, between which the odd level count moves a level to the other buffer; windows wider than
+# the widest box); uniform sampling over levels about the size of a window (points inside and outside
+# their windows, the latter summed from global memory); and uniform sampling over a first level
+# several windows wide (most points outside: the `c2_t16_s3_l1` fallback writes the output).
+REGION_CASES = [
+    CASES[9],
+    ("encoder_p8_five_levels", [(16, 40), (8, 20), (4, 10), (2, 5), (1, 3)], 1, 843, 4, 32, 8, "encoder"),
+    ("encoder_odd_two_levels", [(19, 37), (7, 11)], 2, 780, 2, 32, 4, "encoder"),
+    ("encoder_large_second_level", [(9, 17), (30, 40), (5, 6)], 1, 1383, 3, 32, 4, "encoder"),
+    ("encoder_uniform_three_levels", [(17, 33), (9, 17), (5, 9)], 2, 759, 2, 32, 4, "uniform"),
+    ("encoder_uniform_fallback", [(48, 64), (24, 32), (12, 16)], 1, 4032, 2, 32, 4, "uniform"),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", REGION_CASES, ids=lambda c: c[0])
+def test_tma_ws_region_forward_against_float64(case, dtype):
+    """Every region forward config (`rg_*`) against float64 (at most 1.5x the output's rounding error)."""
+    problem = cuda_problem(case, dtype, seed=53)
+    skip_unless_supported("tma_ws", validate(*problem.args()))
+    assert len(region_forward_configs()) >= 1
+    exact = gather_reference(*[t.double() if t.is_floating_point() else t for t in problem.args()])
+    names = kernel_configs("tma_ws", "forward")
+    for name in region_forward_configs():
+        out = torch.ops.mmdeform_tma.ms_deform_attn_forward(*problem.args(), "tma_ws", names.index(name))
+        check(out, exact, f"{name} output")
+
+
+@pytest.mark.parametrize("magnitude", [1e-3, 1.0, 3e5])
+def test_tma_ws_region_forward_weight_scale(magnitude):
+    """Attention weights far from softmax's range keep the fp16 accuracy rule: each query's weights
+    are scaled by a power of two before their hi and lo halves are formed."""
+    problem = cuda_problem(CASES[9], torch.float16, seed=59)
+    skip_unless_supported("tma_ws", validate(*problem.args()))
+    value = problem.value / 64 if magnitude > 1e4 else problem.value
+    weights = problem.attention_weights * magnitude
+    args = (value, problem.spatial_shapes, problem.level_start_index, problem.sampling_locations, weights)
+    exact = gather_reference(*[t.double() if t.is_floating_point() else t for t in args])
+    assert torch.isfinite(exact.to(torch.float16)).all()
+    names = kernel_configs("tma_ws", "forward")
+    for name in region_forward_configs():
+        out = torch.ops.mmdeform_tma.ms_deform_attn_forward(*args, "tma_ws", names.index(name))
+        check(out, exact, f"{name} output at weights x {magnitude:g}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_tma_ws_region_forward_non_finite_inputs(dtype):
+    """NaN and +-Inf in value (inside windows and outside them), in the weights (of points inside and
+    outside their level) and in the locations reach exactly the outputs the reference's do: the
+    tensor-core sums of a pair of queries would spread one query's NaN to the other."""
+    problem = cuda_problem(CASES[9], dtype, seed=61)
+    skip_unless_supported("tma_ws", validate(*problem.args()))
+    value = problem.value.clone()
+    value[0, 100, 3] = float("nan")
+    value[1, 300, 5] = float("inf")
+    value[1, 1140, 2] = -float("inf")  # the coarsest level
+    weights = problem.attention_weights.clone()
+    loc = problem.sampling_locations.clone()
+    weights[0, 7, 1, 0, 2] = float("nan")
+    weights[1, 9, 4, 2, 1] = float("inf")
+    weights[1, 500, 6, 1, 3] = float("inf")
+    loc[1, 500, 6, 1, 3] = 5.0  # outside its level: Inf x 0 is NaN in the reference
+    loc[0, 3, 0, 1, 0] = float("nan")
+    loc[1, 4, 2, 0, 3] = float("inf")
+    check_non_finite_propagation((value, problem.spatial_shapes, problem.level_start_index, loc, weights),
+                                 region_forward_configs())
+
+
+def test_tma_ws_region_forward_poisons_inconsistent_geometry():
+    """A GPU copy of level_start_index that disagrees with spatial_shapes: every output is NaN."""
+    problem = cuda_problem(CASES[9], torch.float16, seed=67)
+    skip_unless_supported("tma_ws", validate(*problem.args()))
+    starts = problem.level_start_index.clone()
+    starts[1] += 7
+    names = kernel_configs("tma_ws", "forward")
+    for name in region_forward_configs():
+        out = torch.ops.mmdeform_tma.ms_deform_attn_forward(
+            problem.value, problem.spatial_shapes, starts, problem.sampling_locations, problem.attention_weights,
+            "tma_ws", names.index(name))
+        assert torch.isnan(out).all(), name
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[10], CASES[11], ("encoder_one_level", [(12, 20)], 2, 240, 2, 32, 4, "encoder")],
+                         ids=lambda c: c[0])
+def test_tma_ws_region_forward_refuses_what_it_cannot_run(case):
+    """A decoder, 64- and 8-channel heads and a single level raise the config's reason."""
+    problem = cuda_problem(case, torch.float16, seed=71)
+    skip_unless_supported("tma_ws", validate(*problem.args()))
+    names = kernel_configs("tma_ws", "forward")
+    for name in region_forward_configs():
+        reason = region_forward_reason(name, problem)
+        assert reason is not None
+        with pytest.raises(RuntimeError, match=reason):
+            torch.ops.mmdeform_tma.ms_deform_attn_forward(*problem.args(), "tma_ws", names.index(name))
+
+
+def test_tma_ws_region_forward_in_cuda_graph_replays():
+    """Replayed twice over NaN-filled outputs, the region forward writes every row: its plan is computed
+    on the device, nothing of it cached on the host between calls."""
+    problem = cuda_problem(REGION_CASES[1], torch.bfloat16, seed=73)
+    skip_unless_supported("tma_ws", validate(*problem.args()))
+    exact = gather_reference(*[t.double() if t.is_floating_point() else t for t in problem.args()])
+    names = kernel_configs("tma_ws", "forward")
+    for name in region_forward_configs():
+        def call(name=name):
+            return (torch.ops.mmdeform_tma.ms_deform_attn_forward(*problem.args(), "tma_ws", names.index(name)),)
+
+        for (got,) in cuda_graph_replays(call):
+            check(got, exact, f"{name} replay")

@@ -85,6 +85,27 @@ __device__ __forceinline__ void mma_16x8x16(float (&d)[4], const uint32_t (&a)[4
   }
 }
 
+// Two floats as one register of two 16-bit numbers of value's type (`low_half` in bits 0-15), and back.
+template <typename scalar_t>
+__device__ __forceinline__ uint32_t pack_pair(float low_half, float high_half) {
+  if constexpr (std::is_same_v<scalar_t, __half>) {
+    const __half2 h = __floats2half2_rn(low_half, high_half);
+    return *reinterpret_cast<const uint32_t*>(&h);
+  } else {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(low_half, high_half);
+    return *reinterpret_cast<const uint32_t*>(&h);
+  }
+}
+
+template <typename scalar_t>
+__device__ __forceinline__ float2 unpack_pair(uint32_t r) {
+  if constexpr (std::is_same_v<scalar_t, __half>) {
+    return __half22float2(*reinterpret_cast<const __half2*>(&r));
+  } else {
+    return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&r));
+  }
+}
+
 // An fp32 number as hi + lo, two 16-bit numbers of value's type: hi is the number rounded, lo the
 // rest rounded, so hi + lo carries about twice the type's significand (fp16: 22 bits, bf16: 16).
 template <typename scalar_t>

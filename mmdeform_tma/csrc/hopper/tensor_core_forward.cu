@@ -76,25 +76,8 @@ __device__ __forceinline__ uint32_t byte_permute(uint32_t a, uint32_t b, uint32_
   return r;
 }
 
-template <typename scalar_t>
-__device__ __forceinline__ uint32_t pack_pair(float low_half, float high_half) {
-  if constexpr (std::is_same_v<scalar_t, __half>) {
-    const __half2 h = __floats2half2_rn(low_half, high_half);
-    return *reinterpret_cast<const uint32_t*>(&h);
-  } else {
-    const __nv_bfloat162 h = __floats2bfloat162_rn(low_half, high_half);
-    return *reinterpret_cast<const uint32_t*>(&h);
-  }
-}
-
-template <typename scalar_t>
-__device__ __forceinline__ float2 unpack_pair(uint32_t r) {
-  if constexpr (std::is_same_v<scalar_t, __half>) {
-    return __half22float2(*reinterpret_cast<const __half2*>(&r));
-  } else {
-    return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&r));
-  }
-}
+using hopper::pack_pair;
+using hopper::unpack_pair;
 
 // Two weights as this lane's B pair: hi parts, or (lo lanes) what the hi parts leave, 0 where
 // the hi part is not finite so that an infinite weight is not turned into NaN.

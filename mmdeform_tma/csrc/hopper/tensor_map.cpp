@@ -67,12 +67,25 @@ CUtensorMap tensor_map_2d(void* data, CUtensorMapDataType type, int64_t element,
 
 }  // namespace
 
-CUtensorMap value_tensor_map(const at::Tensor& value, int box_keys) {
+namespace {
+
+CUtensorMap value_map(const at::Tensor& value, int box_keys, CUtensorMapSwizzle swizzle) {
   return tensor_map_2d(value.data_ptr(), tma_dtype(value.scalar_type()), value.element_size(),
                        value.size(0) * value.size(1), value.size(2) * value.size(3), static_cast<int>(value.size(3)),
-                       box_keys, CU_TENSOR_MAP_SWIZZLE_NONE, [&] {
+                       box_keys, swizzle, [&] {
                          return "value " + shape_string(value.sizes()) + " " + c10::toString(value.scalar_type());
                        });
+}
+
+}  // namespace
+
+CUtensorMap value_tensor_map(const at::Tensor& value, int box_keys) {
+  return value_map(value, box_keys, CU_TENSOR_MAP_SWIZZLE_NONE);
+}
+
+CUtensorMap value_window_row_map(const at::Tensor& value, int box_keys) {
+  TORCH_CHECK(value.size(3) * value.element_size() == 64, "mmdeform_tma: the swizzled window map takes heads of 64 bytes");
+  return value_map(value, box_keys, CU_TENSOR_MAP_SWIZZLE_64B);
 }
 
 CUtensorMap fixed_point_tensor_map(void* data, int64_t rows, int64_t columns, int box_keys) {

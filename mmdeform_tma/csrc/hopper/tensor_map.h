@@ -17,6 +17,11 @@ namespace hopper {
 // capturable). Encoded per call; passed as a __grid_constant__.
 CUtensorMap value_tensor_map(const at::Tensor& value, int box_keys);
 
+// The same map for heads of 64 bytes (32 fp16/bf16 channels) with the 64-byte swizzle: a row's
+// 16-byte chunk j lands at j ^ (shared address bits 7-8), so that ldmatrix reads of rows 128 bytes
+// apart in a window of a pitch of 2 mod 4 rows meet no bank conflict (region_forward.cu).
+CUtensorMap value_window_row_map(const at::Tensor& value, int box_keys);
+
 // The deterministic backward's int64 fixed-point accumulator of the value gradient seen as `rows`
 // keys by `columns` (heads x channels) elements, for TMA reductions (two's complement addition is
 // unsigned addition). A box is `box_keys` keys by kFixedPointBoxColumns channels (a head of 32), one

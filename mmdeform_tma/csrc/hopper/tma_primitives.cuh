@@ -84,6 +84,15 @@ __device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, i
       : "memory");
 }
 
+// The same to a shared-memory address held as 32 bits (no 64-bit pointer kept live for it).
+__device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, int32_t x, int32_t y, uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];" ::
+          "r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(smem_address(bar))
+      : "memory");
+}
+
 // 2-D tile reduction shared -> global: adds the box at `src` (laid out as the map's box, swizzle
 // included) element-wise into the tensor at (x, y), atomically per element; elements outside the
 // tensor are dropped. Completes through this thread's bulk groups (bulk_commit_group).

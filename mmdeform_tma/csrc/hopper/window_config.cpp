@@ -197,6 +197,20 @@ const std::vector<TensorCoreForwardConfig>& tensor_core_forward_configs() {
   return all;
 }
 
+const std::vector<RegionForwardConfig>& region_forward_configs() {
+  // perf_notes.md, items 142-145.
+  // The fallback: the H100 table's windowless pick for the fp16 and bf16 DETR encoders at bs 2.
+  static const std::vector<RegionForwardConfig> all = {{"rg_r8x16", "c2_t16_s3_l1"}};
+  return all;
+}
+
+int64_t config_index(const std::string& name) {
+  for (int64_t i = 0; i < static_cast<int64_t>(configs().size()); ++i) {
+    if (configs()[i].name == name) return i;
+  }
+  TORCH_CHECK(false, "mmdeform_tma tma_ws: no config named ", name);
+}
+
 int64_t shared_config_count() {
   static const int64_t count = [] {
     int64_t n = 0;
@@ -213,6 +227,7 @@ std::vector<std::string> config_names() {
   std::vector<std::string> names;
   for (int64_t i = 0; i < shared_config_count(); ++i) names.push_back(configs()[i].name);
   for (const auto& c : tensor_core_forward_configs()) names.push_back(c.name);
+  for (const auto& c : region_forward_configs()) names.push_back(c.name);
   return names;
 }
 

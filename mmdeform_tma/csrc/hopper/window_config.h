@@ -57,15 +57,30 @@ struct TensorCoreForwardConfig {
 };
 const std::vector<TensorCoreForwardConfig>& tensor_core_forward_configs();
 
+// Forward only: the region forward (region_forward.cu) for encoder self-attention, a region of the
+// first level's pixels and every query whose pixel centre lies in it a work item, its windows copied
+// by TMA for all of them. `fallback`: the windowless configs() entry that runs instead where the
+// sampling leaves the windows.
+struct RegionForwardConfig {
+  std::string name;
+  std::string fallback;
+};
+const std::vector<RegionForwardConfig>& region_forward_configs();
+
+// The index of configs() entry `name`; throws if there is none.
+int64_t config_index(const std::string& name);
+
 // configs() entries that both directions run: the forward's index i < shared_config_count() is
 // configs()[i], as the backward's.
 int64_t shared_config_count();
 // The forward's configs: the shared ones, then the tensor-core gather ones (forward index
-// shared_config_count() + i is tensor_core_forward_configs()[i]).
+// shared_config_count() + i is tensor_core_forward_configs()[i]), then the region ones.
 std::vector<std::string> config_names();
 std::vector<std::string> backward_config_names();  // all of configs(): the shared ones, then the backward-only ones
 
-enum class SpreadRole : int { kNone = 0, kBailWhereSpread = 1, kRunFlaggedCtas = 2 };
+// kRunIfSpread (forward): the windowless forward runs only where the region forward, before it on the
+// stream, set spread_flags[0] (sampling that leaves its windows; region_forward.cu); otherwise it returns.
+enum class SpreadRole : int { kNone = 0, kBailWhereSpread = 1, kRunFlaggedCtas = 2, kRunIfSpread = 3 };
 
 // What both roles need to agree on; computed on the host, passed by value.
 struct LaunchShape {
