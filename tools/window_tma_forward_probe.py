@@ -25,6 +25,8 @@ TMA's 64-byte swizzle follows the shared address (the probe's model) or the box'
 Measured on the H100 (items 142-143): the swizzle follows the shared address; the lean version is exact
 (1.0001x the rounding error) and the fastest forward on every encoder row, 1.22-1.57x DCNv4 and 8-27 % under
 `tma_ws`, with the L1 at 79 % of its rate (3.46 shared wavefronts a point: `ldmatrix` 2, the records' loads 1).
+The package's `tma_ws` config `rg_r8x16` (mmdeform_tma/csrc/hopper/region_forward.cu, item 145) is the
+shuffle version with its plan computed on the device; this probe keeps the record version beside it.
 """
 
 from __future__ import annotations
