@@ -9,8 +9,10 @@ Covers every dtype, the fast and the deterministic backward (its sorted value gr
 outside the levels, and for tma_ws every compiled variant with windows (TMA windows, and the MMA
 backward's accumulation windows) on encoder problems (one query per pixel: pixel-block tiles;
 sampled locally, and uniformly over a level larger than four windows) and a decoder one, the
-tensor-core gather forward configs, and the windowless forward configs on a decoder. Prints one
-line per case; any error the tool finds is reported by compute-sanitizer itself.
+tensor-core gather forward configs, the windowless forward configs on a decoder, and the region
+forward configs on encoders (local sampling over 3 and 5 levels, regions of more than one pass, and
+uniform sampling that hands the output to the windowless fallback). Prints one line per case; any
+error the tool finds is reported by compute-sanitizer itself.
 """
 
 import argparse
@@ -94,6 +96,19 @@ def lean_variants(dtype: torch.dtype) -> None:
         forward_configs(args, dtype, f"lean_p{points}", lambda name: "_l1" in name)
 
 
+def region_variants(dtype: torch.dtype) -> None:
+    """tma_ws's region forward configs (`rg_*`, fp16/bf16 encoders of 32-channel heads): 3 levels (an odd
+    count), 5 levels of 8 points, a second level larger than the first (several passes a region), and
+    uniform sampling over a first level several windows wide (the flag and the windowless fallback)."""
+    cases = (("rg_l3", [(9, 13), (5, 7), (3, 4)], 4, "encoder"),
+             ("rg_p8_l5", [(16, 40), (8, 20), (4, 10), (2, 5), (1, 3)], 8, "encoder"),
+             ("rg_pass", [(9, 17), (30, 40), (5, 6)], 4, "encoder"),
+             ("rg_spread", [(48, 64), (24, 32), (12, 16)], 4, "uniform"))
+    for label, levels, points, locality in cases:
+        args = cuda_args(levels, num_keys(levels), 2, points, dtype, seed=4, locality=locality)
+        forward_configs(args, dtype, label, lambda name: name.startswith("rg_"))
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backends", nargs="*", default=["cuda", "tma_ws"])
@@ -133,6 +148,7 @@ def main(argv=None) -> int:
         for dtype in (torch.float16, torch.bfloat16):
             tensor_core_variants(dtype)
             lean_variants(dtype)
+            region_variants(dtype)
     return 0
 
 
