@@ -609,9 +609,10 @@ bool lean_fits(const ProblemTensors& problem) {
 }
 
 // The region forward (region_forward.cu), then the windowless forward, which runs only where the region
-// forward found sampling that leaves its windows (uniform sampling: there the L1 gathers of the `_l1`
-// configs are the fastest, 0.148 ms on the fp16 DETR encoder at bs 2 against several times that for
-// the region forward's global-memory path; H100, sweep of 2026-12-07) and then writes every output.
+// forward found sampling that leaves its windows, and then writes every output. On uniform sampling the
+// `_l1` configs' L1 gathers are the fastest forward (0.148 ms on the fp16 DETR encoder at bs 2; H100,
+// sweep of 2026-12-07), and the region forward's path for points outside their windows, serial a point,
+// would take several times that (estimated, perf_notes.md item 145).
 template <typename scalar_t>
 void region_forward_with_fallback(const ProblemTensors& problem, const hopper::window::RegionForwardConfig& config,
                                   at::Tensor& output) {
