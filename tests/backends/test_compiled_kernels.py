@@ -428,11 +428,13 @@ def test_tma_ws_tensor_core_forward_against_float64(case, dtype):
 
 
 @pytest.mark.parametrize("magnitude", [1e-3, 1.0, 3e5])
-def test_tma_ws_tensor_core_forward_weight_scale(magnitude):
-    """Attention weights far from softmax's range keep the fp16 accuracy rule: the kernel scales each
-    slot's weights by a power of two before splitting them into fp16 hi and lo parts (unscaled,
-    fp16 would lose corner weights of 1e-3 / 16 to subnormals and turn 3e5 into Inf)."""
-    problem = cuda_problem(CASES[0], torch.float16, seed=41)
+@pytest.mark.parametrize("family", ["tc_", "rg_"])
+def test_tma_ws_forward_only_configs_weight_scale(family, magnitude):
+    """Attention weights far from softmax's range keep the fp16 accuracy rule through the tensor-core
+    gather (`tc_*`, on a decoder) and region (`rg_*`, on an encoder) forwards: the kernels scale each
+    slot's, or query's, weights by a power of two before splitting them into fp16 hi and lo parts
+    (unscaled, fp16 would lose corner weights of 1e-3 / 16 to subnormals and turn 3e5 into Inf)."""
+    problem = cuda_problem(CASES[0] if family == "tc_" else CASES[9], torch.float16, seed=41)
     skip_unless_supported("tma_ws", validate(*problem.args()))
     value = problem.value / 64 if magnitude > 1e4 else problem.value  # outputs stay finite in fp16
     weights = problem.attention_weights * magnitude
@@ -440,7 +442,9 @@ def test_tma_ws_tensor_core_forward_weight_scale(magnitude):
     exact = gather_reference(*[t.double() if t.is_floating_point() else t for t in args])
     assert torch.isfinite(exact.to(torch.float16)).all()
     names = kernel_configs("tma_ws", "forward")
-    for name in tensor_core_forward_configs():
+    configs = [name for name in names if name.startswith(family)]
+    assert configs
+    for name in configs:
         out = torch.ops.mmdeform_tma.ms_deform_attn_forward(*args, "tma_ws", names.index(name))
         check(out, exact, f"{name} output at weights x {magnitude:g}")
 
@@ -1237,23 +1241,6 @@ def test_tma_ws_region_forward_against_float64(case, dtype):
     for name in region_forward_configs():
         out = torch.ops.mmdeform_tma.ms_deform_attn_forward(*problem.args(), "tma_ws", names.index(name))
         check(out, exact, f"{name} output")
-
-
-@pytest.mark.parametrize("magnitude", [1e-3, 1.0, 3e5])
-def test_tma_ws_region_forward_weight_scale(magnitude):
-    """Attention weights far from softmax's range keep the fp16 accuracy rule: each query's weights
-    are scaled by a power of two before their hi and lo halves are formed."""
-    problem = cuda_problem(CASES[9], torch.float16, seed=59)
-    skip_unless_supported("tma_ws", validate(*problem.args()))
-    value = problem.value / 64 if magnitude > 1e4 else problem.value
-    weights = problem.attention_weights * magnitude
-    args = (value, problem.spatial_shapes, problem.level_start_index, problem.sampling_locations, weights)
-    exact = gather_reference(*[t.double() if t.is_floating_point() else t for t in args])
-    assert torch.isfinite(exact.to(torch.float16)).all()
-    names = kernel_configs("tma_ws", "forward")
-    for name in region_forward_configs():
-        out = torch.ops.mmdeform_tma.ms_deform_attn_forward(*args, "tma_ws", names.index(name))
-        check(out, exact, f"{name} output at weights x {magnitude:g}")
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)

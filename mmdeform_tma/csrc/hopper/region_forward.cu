@@ -1,7 +1,8 @@
 // `tma_ws` forward, the region config (`rg_r8x16`): fp16/bf16 heads of 32 channels in encoder
 // self-attention (one query per key: query q samples around pixel q of its level). perf_notes.md,
-// items 142-145: its design probe took 0.131 ms against 0.145 for the table's `tma_ws` config and
-// 0.170 for DCNv4 on the fp16 DETR encoder at bs 2 (H100, 2026-12-07).
+// items 142-145: its design probe (the record version) took 0.131 ms against 0.145 for the table's
+// `tma_ws` config and 0.170 for DCNv4 on the fp16 DETR encoder at bs 2 (H100, 2026-12-07, session 58,
+// probe at f204db2; docs/measurements/window_tma_probe_h100_lean.json). This config is not timed yet.
 //
 // A work item is one (batch, head, region). A region is an 8 x 16 block of the first level's pixels
 // with every query, of any level, whose pixel centre lies in it: 170 queries on the DETR encoder, so
@@ -28,6 +29,7 @@
 #include "../common/cuda_runtime_utils.h"
 #include "mma_fragments.cuh"
 #include "region_forward.h"
+#include "tensor_core_forward.h"
 #include "tensor_map.h"
 #include "tma_primitives.cuh"
 #include "window_launch.cuh"
@@ -386,13 +388,14 @@ __global__ void __launch_bounds__(kThreads, 2)
     bool skip = __shfl_sync(~0u, spread_found(), 0);
 
     for (int pass = 0; pass < passes; ++pass) {
-    // The lane's slots: it writes its query's records; it reads B word `word` of its point of the pair
-    // at its pair's units plus this constant, and forms the address of corner `lane & 3`.
-    const int pn = lane >> 4, word = 2 * (t & 1) + (g & 1), corner = lane & 3;
-    const bool b_live = ((g >> 1) & 1) == (t >> 1);
-    const uint32_t mask0 = (b_live && g < 4) ? ~0u : 0u, mask1 = (b_live && g >= 4) ? ~0u : 0u;
-    const uint32_t chunk_bits = (2 * ((lane >> 2) & 1) + ((lane >> 3) & 1)) << 4;
-    const uint32_t b_read_s = records_s + (pn + kSlotStride * word) * 16;
+      // The lane's slots: it writes its query's records; it reads B word `word` of its point of the pair
+      // at its pair's units plus this constant, and forms the address of corner `lane & 3`. Computed
+      // per pass, not kept live across the item loop: held there, one spilled around the plan.
+      const int pn = lane >> 4, word = 2 * (t & 1) + (g & 1), corner = lane & 3;
+      const bool b_live = ((g >> 1) & 1) == (t >> 1);
+      const uint32_t mask0 = (b_live && g < 4) ? ~0u : 0u, mask1 = (b_live && g >= 4) ? ~0u : 0u;
+      const uint32_t chunk_bits = (2 * ((lane >> 2) & 1) + ((lane >> 3) & 1)) << 4;
+      const uint32_t b_read_s = records_s + (pn + kSlotStride * word) * 16;
       if (skip) {
         for (int l = 0; l < p.levels; ++l) {
           hopper::mbarrier_wait(&full[stage & 1], (stage >> 1) & 1);
@@ -661,12 +664,8 @@ at::Tensor aligned16(const at::Tensor& t) {
 }  // namespace
 
 std::string region_forward_unsupported(const ProblemTensors& problem) {
-  const auto dtype = problem.value.scalar_type();
-  if (dtype != at::kHalf && dtype != at::kBFloat16) {
-    return std::string("the region forward takes float16 or bfloat16 values, not ") + dtype_string(dtype);
-  }
-  if (problem.channels != kChannels) {
-    return "the region forward takes heads of 32 channels, not " + num(problem.channels);
+  if (std::string reason = half_heads_of_32_unsupported(problem, "the region forward"); !reason.empty()) {
+    return reason;
   }
   if (problem.queries != problem.num_keys) {
     return "the region forward takes encoder self-attention (one query per key), not " + num(problem.queries) +

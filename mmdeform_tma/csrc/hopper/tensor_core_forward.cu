@@ -323,15 +323,19 @@ void launch(const Args& args, int steps, int warps, int blocks) {
 
 }  // namespace
 
-std::string tensor_core_forward_unsupported(const ProblemTensors& problem) {
+std::string half_heads_of_32_unsupported(const ProblemTensors& problem, const std::string& forward) {
   const auto dtype = problem.value.scalar_type();
   if (dtype != at::kHalf && dtype != at::kBFloat16) {
-    return std::string("the tensor-core gather forward takes float16 or bfloat16 values, not ") + dtype_string(dtype);
+    return forward + " takes float16 or bfloat16 values, not " + dtype_string(dtype);
   }
   if (problem.channels != kChannels) {
-    return "the tensor-core gather forward takes heads of 32 channels, not " + num(problem.channels);
+    return forward + " takes heads of 32 channels, not " + num(problem.channels);
   }
   return {};
+}
+
+std::string tensor_core_forward_unsupported(const ProblemTensors& problem) {
+  return half_heads_of_32_unsupported(problem, "the tensor-core gather forward");
 }
 
 void tensor_core_forward(const ProblemTensors& problem, const TensorCoreForwardConfig& config, at::Tensor& output) {

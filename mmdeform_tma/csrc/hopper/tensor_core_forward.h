@@ -11,6 +11,10 @@
 namespace mmdeform_tma {
 namespace tma_ws {
 
+// Why these inputs cannot feed a tensor-core forward's 16-bit operands (fp16/bf16 heads of 32 channels,
+// one 64-byte row), naming `forward` in the reason; empty when they can.
+std::string half_heads_of_32_unsupported(const ProblemTensors& problem, const std::string& forward);
+
 // Why these inputs cannot run on the tensor-core gather forward; empty when they can.
 std::string tensor_core_forward_unsupported(const ProblemTensors& problem);
 

@@ -611,8 +611,9 @@ bool lean_fits(const ProblemTensors& problem) {
 // The region forward (region_forward.cu), then the windowless forward, which runs only where the region
 // forward found sampling that leaves its windows, and then writes every output. On uniform sampling the
 // `_l1` configs' L1 gathers are the fastest forward (0.148 ms on the fp16 DETR encoder at bs 2; H100,
-// sweep of 2026-12-07), and the region forward's path for points outside their windows, serial a point,
-// would take several times that (estimated, perf_notes.md item 145).
+// 2026-12-07, session 56's sweep at b7eab28, docs/measurements/sweep_h100_401db80.md), and the region
+// forward's path for points outside their windows, serial a point, would take several times that
+// (estimated, perf_notes.md item 145).
 template <typename scalar_t>
 void region_forward_with_fallback(const ProblemTensors& problem, const hopper::window::RegionForwardConfig& config,
                                   at::Tensor& output) {
