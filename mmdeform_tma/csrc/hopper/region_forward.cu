@@ -9,8 +9,9 @@
 // that one window a level serves them all. Persistent CTAs of six warps take the items in turn, a
 // query a lane (a region of more than 192 queries in passes). A stage is one (item, pass, level): its
 // window, the region's extent in that level widened by kMargin pixels for the sampling offsets, is
-// copied by TMA, a box a window row with SWIZZLE_64B, into one of two buffers. The last warp to leave
-// stage n's buffer copies stage n + 2 into it; there is no CTA barrier.
+// copied by TMA, a box a window row with SWIZZLE_64B, into buffer level & 1 (a pass of an odd level
+// count ends with an empty stage). The last warp to leave stage n's buffer copies stage n + 2 into
+// it; there is no CTA barrier. region_plan.h holds the plan's arithmetic, tested on the CPU.
 //
 // Each lane turns its query's points into records in its warp's shared memory (the corner weights
 // as hi + lo halves) and top-left words in registers (from which the lanes of a step form the
@@ -29,6 +30,7 @@
 #include "../common/cuda_runtime_utils.h"
 #include "mma_fragments.cuh"
 #include "region_forward.h"
+#include "region_plan.h"
 #include "tensor_core_forward.h"
 #include "tensor_map.h"
 #include "tma_primitives.cuh"
@@ -39,21 +41,11 @@ namespace tma_ws {
 namespace {
 
 using hopper::window::RegionForwardConfig;
+using namespace region_plan;  // NOLINT: the plan's constants and arithmetic are this kernel's
 
 constexpr int kChannels = 32;
-constexpr int kRowBytes = 64;  // a head's 32 channels of 2 bytes
 constexpr int kWarps = 6;
 constexpr int kThreads = kWarps * 32;  // a pass: a query a lane
-constexpr int kMaxLevels = 5;
-constexpr int kRegionRows = 8, kRegionCols = 16;  // of the first level's pixels
-constexpr int kMargin = 6;  // pixels each side: 0.02 % of DETR's points fall outside (item 142)
-// Window widths (TMA boxes, 2 mod 4): the least of them that holds a level's window is used. The
-// region's 16 columns and the margins need 30 in the first level, 22 in one of half its width, 18 below.
-constexpr int kBoxes = 3;
-__host__ __device__ constexpr int box_width(int box) { return box == 0 ? 18 : box == 1 ? 22 : 30; }
-// The buffers hold even and odd stages' windows: 30 x 22 and 22 x 18 rows on DETR's levels. A
-// window that does not fit is cut to its middle rows (the rest of its points through global memory).
-__host__ __device__ constexpr int buffer_bytes(int parity) { return parity == 0 ? 43008 : 25600; }  // 1024 x k
 // Records: the B words in 16-byte units of four steps; lane L's slot s at unit L + kSlotStride s.
 // Writes (one s, 8 consecutive lanes a phase) and a pair's reads each fall in 8 distinct bank groups
 // (kSlotStride = 2 mod 8). The corner addresses are not recorded: a lane forms its corner's from the
@@ -78,109 +70,12 @@ struct RegionArgs {
   int batch, num_keys, heads, levels;  // queries == num_keys
 };
 
-struct LevelShape {
-  int height, width, start;
-};
-
-// The regions tile the first level (taken as 1 x 1 when it is empty, so that every query still has one).
-struct RegionGrid {
-  int height, width;  // the first level's
-  int rows, cols;
-};
-
-struct Item {
-  int batch, head, row, col;  // row, col: the region's
-};
-
-// A level's window: origin (level pixels), rows and which box.
-struct Window {
-  int x, y, rows, box;
-};
-
-// A level's queries in a region: pixel rows [row, row + count / cols) x columns [col, col + cols).
-struct RegionQueries {
-  int row, col, cols, count;
-};
-
 #if MMDEFORM_TMA_HOPPER_DEVICE
 
 using hopper::ldmatrix_x4_trans;
 using hopper::mma_16x8x16;
 using hopper::pack_pair;
 using hopper::unpack_pair;
-
-// floor(a / b) for b > 0 and |a| < 2^53: a 32-bit division where both fit (every level of up to 32k
-// pixels a side), else one double division and a correction; a 64-bit integer division is a long
-// subroutine.
-__device__ __forceinline__ int64_t floor_div(int64_t a, int64_t b) {
-  if (a >= INT32_MIN && a <= INT32_MAX && b <= INT32_MAX) {
-    const int a32 = static_cast<int>(a), b32 = static_cast<int>(b);
-    const int q = a32 / b32;
-    return q * b32 > a32 ? q - 1 : q;  // truncation rounds negative quotients up
-  }
-  int64_t q = static_cast<int64_t>(floor(static_cast<double>(a) / static_cast<double>(b)));
-  if (q * b > a) {
-    --q;
-  } else if ((q + 1) * b <= a) {
-    ++q;
-  }
-  return q;
-}
-
-__device__ __forceinline__ RegionGrid region_grid(const LevelShape* levels) {
-  const bool empty = levels[0].height <= 0 || levels[0].width <= 0;
-  const int h0 = empty ? 1 : levels[0].height, w0 = empty ? 1 : levels[0].width;
-  return RegionGrid{h0, w0, (h0 + kRegionRows - 1) / kRegionRows, (w0 + kRegionCols - 1) / kRegionCols};
-}
-
-__device__ __forceinline__ Item item_at(int item, int heads, const RegionGrid& grid) {
-  const int head = item % heads, rest = item / heads, regions = grid.rows * grid.cols;
-  const int region = rest % regions;
-  return Item{rest / regions, head, region / grid.cols, region % grid.cols};
-}
-
-// The first of a level's `extent` pixel rows (or columns) whose centre lies in region row r of
-// `size`-pixel regions over the first level's `first` rows: (i + 0.5) / extent >= r size / first,
-// that is 2 i + 1 >= 2 r size extent / first. The last region takes the rest.
-__device__ __forceinline__ int region_begin(int r, int regions, int size, int extent, int first) {
-  if (r >= regions) return extent;
-  const int64_t twice = -floor_div(-2LL * r * size * extent, first);  // ceil(2 r size extent / first)
-  return twice / 2 < extent ? static_cast<int>(twice / 2) : extent;
-}
-
-__device__ __forceinline__ RegionQueries region_queries(const Item& it, const RegionGrid& grid, const LevelShape& lv) {
-  const int y = region_begin(it.row, grid.rows, kRegionRows, lv.height, grid.height);
-  const int x = region_begin(it.col, grid.cols, kRegionCols, lv.width, grid.width);
-  const int rows = region_begin(it.row + 1, grid.rows, kRegionRows, lv.height, grid.height) - y;
-  const int cols = region_begin(it.col + 1, grid.cols, kRegionCols, lv.width, grid.width) - x;
-  return RegionQueries{y, x, cols, rows * cols};
-}
-
-// The level's window for the region: its extent in the first level, [y0, y1) x [x0, x1), in this
-// level's pixel coordinates (u * extent / first - 0.5), widened by kMargin, plus the bottom-right
-// corner. Integer arithmetic: the lanes that fill the records and the lane that issues the copy
-// get the same window.
-__device__ __forceinline__ Window level_window(const Item& it, const RegionGrid& grid, const LevelShape& lv,
-                                               int capacity) {
-  const int64_t y0 = static_cast<int64_t>(it.row) * kRegionRows, x0 = static_cast<int64_t>(it.col) * kRegionCols;
-  const int64_t y1 = y0 + kRegionRows < grid.height ? y0 + kRegionRows : grid.height;
-  const int64_t x1 = x0 + kRegionCols < grid.width ? x0 + kRegionCols : grid.width;
-  const int64_t h0 = grid.height, w0 = grid.width;
-  int oy = static_cast<int>(floor_div(2 * y0 * lv.height - h0 - 2 * kMargin * h0, 2 * h0));
-  int ox = static_cast<int>(floor_div(2 * x0 * lv.width - w0 - 2 * kMargin * w0, 2 * w0));
-  int rows = static_cast<int>(floor_div(2 * y1 * lv.height - h0 + 2 * kMargin * h0, 2 * h0)) + 2 - oy;
-  const int cols = static_cast<int>(floor_div(2 * x1 * lv.width - w0 + 2 * kMargin * w0, 2 * w0)) + 2 - ox;
-  int box = 0;
-  while (box + 1 < kBoxes && box_width(box) < cols) ++box;
-  const int width = box_width(box);
-  if (cols > width) ox += (cols - width) / 2;  // wider than the widest box: its middle
-  const int fit = capacity / (width * kRowBytes);
-  if (rows > fit) {
-    oy += (rows - fit) / 2;
-    rows = fit;
-  }
-  return Window{ox, oy, rows, box};
-}
 
 // The window's rows that lie in the level, into `buffer`, on `bar` (one thread).
 __device__ __forceinline__ void issue_window(const RegionMaps& maps, const RegionArgs& p, int batch, int head,
@@ -202,9 +97,9 @@ __device__ __forceinline__ void issue_window(const RegionMaps& maps, const Regio
 // A warp's copy of its item's plan (no CTA barrier: each warp computes its own).
 struct WarpPlan {
   int batch, head;
-  Window windows[2][kMaxLevels];  // for either buffer: a level's stage changes buffer between passes
+  Window windows[kMaxLevels];  // level l's, sized for buffer l & 1 (stages_a_pass)
   RegionQueries queries[kMaxLevels];
-  Window next_windows[2][2];  // the next item's first two levels [level][buffer], for the copies ahead
+  Window next_windows[2];  // the next item's first two levels, for the copies ahead
   int next_batch, next_head;
 };
 
@@ -319,37 +214,37 @@ __global__ void __launch_bounds__(kThreads, 2)
   WarpPlan& plan = plans[warp];
   int stage = 0;  // the CTA's stage count: buffer stage & 1, its phase (stage >> 1) & 1
   auto spread_found = [&] { return *reinterpret_cast<volatile int*>(&spread) != 0; };
-  // The warp leaves stage (item, pass, level) of `passes`; the last warp to leave its buffer copies
-  // stage + 2 into it: two levels on, in this pass, the next pass or the next item. Once the sampling
-  // is found spread it only arrives on the buffer's barrier, with nothing to copy.
-  auto leave_stage = [&](int item, int pass, int l, int passes) {
+  // The warp leaves stage s of (item, pass); the last warp to leave its buffer copies stage + 2 into
+  // it (region_plan.h's next_copy). An empty stage, or any once the sampling is found spread, only
+  // arrives on the buffer's barrier, with nothing to copy.
+  auto leave_stage = [&](int item, int pass, int s, int passes) {
     __syncwarp();
     if (lane == 0) {
       __threadfence_block();  // this warp's window reads before its count
       const unsigned before = atomicAdd(&released[stage & 1], 1u);
       if (before == (static_cast<unsigned>(stage >> 1) + 1) * kWarps - 1) {
         const int parity = stage & 1;
-        const bool wraps = l + 2 >= p.levels;
-        const int level = wraps ? l + 2 - p.levels : l + 2;
-        int batch = plan.batch, head = plan.head;
-        const Window* win = &plan.windows[parity][level];
-        if (wraps && pass + 1 == passes) {
-          win = item + static_cast<int>(gridDim.x) < total ? &plan.next_windows[level][parity] : nullptr;
-          batch = plan.next_batch;
-          head = plan.next_head;
-        }
-        if (win != nullptr) {
-          if (spread_found()) {
-            hopper::mbarrier_arrive(&full[parity]);
-          } else {
-            __threadfence_block();
-            hopper::fence_proxy_async_shared();
-            issue_window(maps, p, batch, head, levels[level], *win, parity ? buffer1_s : smem_s, &full[parity]);
-          }
+        const NextCopy next = next_copy(s, p.levels, pass, passes, item + static_cast<int>(gridDim.x) < total);
+        if (next.kind == NextCopy::kEmpty || (next.kind != NextCopy::kNone && spread_found())) {
+          hopper::mbarrier_arrive(&full[parity]);
+        } else if (next.kind != NextCopy::kNone) {
+          const bool next_item = next.kind == NextCopy::kNextItem;
+          __threadfence_block();
+          hopper::fence_proxy_async_shared();
+          issue_window(maps, p, next_item ? plan.next_batch : plan.batch, next_item ? plan.next_head : plan.head,
+                       levels[next.level], next_item ? plan.next_windows[next.level] : plan.windows[next.level],
+                       parity ? buffer1_s : smem_s, &full[parity]);
         }
       }
     }
     ++stage;
+  };
+  // A pass's empty stage after an odd level count: its arrival, then its hand-over.
+  auto empty_stage = [&](int item, int pass, int passes) {
+    if (p.levels & 1) {
+      hopper::mbarrier_wait(&full[stage & 1], (stage >> 1) & 1);
+      leave_stage(item, pass, p.levels, passes);
+    }
   };
 
   for (int item = blockIdx.x; item < total; item += gridDim.x) {
@@ -358,17 +253,16 @@ __global__ void __launch_bounds__(kThreads, 2)
       const RegionGrid grid = region_grid(levels);
       const Item it = item_at(item, p.heads, grid);
       const bool next_exists = item + static_cast<int>(gridDim.x) < total;
-      if (lane < 24 && lane % 8 < p.levels) {  // lanes 0-4 and 8-12: windows, 16-20: queries
+      if (lane < 16 && lane % 8 < p.levels) {  // lanes 0-4: windows, 8-12: queries
         const int l = lane % 8;
-        if (lane < 16) {
-          plan.windows[lane / 8][l] = level_window(it, grid, levels[l], buffer_bytes(lane / 8));
+        if (lane < 8) {
+          plan.windows[l] = level_window(it, grid, levels[l], buffer_bytes(l & 1));
         } else {
           plan.queries[l] = region_queries(it, grid, levels[l]);
         }
-      } else if (lane >= 24 && lane < 28 && next_exists) {  // the next item's first two levels
-        const int l = (lane - 24) >> 1, parity = lane & 1;
-        plan.next_windows[l][parity] = level_window(item_at(item + gridDim.x, p.heads, grid), grid, levels[l],
-                                                    buffer_bytes(parity));
+      } else if (lane >= 24 && lane < 26 && next_exists) {  // the next item's first two levels
+        const int l = lane - 24;
+        plan.next_windows[l] = level_window(item_at(item + gridDim.x, p.heads, grid), grid, levels[l], buffer_bytes(l));
       } else if (lane == 28 && next_exists) {
         const Item next = item_at(item + gridDim.x, p.heads, grid);
         plan.next_batch = next.batch;
@@ -401,6 +295,7 @@ __global__ void __launch_bounds__(kThreads, 2)
           hopper::mbarrier_wait(&full[stage & 1], (stage >> 1) & 1);
           leave_stage(item, pass, l, passes);
         }
+        empty_stage(item, pass, passes);
         continue;
       }
       // The lane's query: slot pass x 192 + tid of the region's queries, level by level.
@@ -464,7 +359,7 @@ __global__ void __launch_bounds__(kThreads, 2)
       for (int step = 0; step < p.levels * kGroups; ++step) {
         const int l = step / kGroups;
         const LevelShape lv = levels[l];
-        const Window win = plan.windows[stage & 1][l];
+        const Window win = plan.windows[l];
         const int width = box_width(win.box), pitch = width * kRowBytes;
         uint32_t top_left_words[4];
         unsigned outside = 0;  // points summed from global memory
@@ -585,6 +480,7 @@ __global__ void __launch_bounds__(kThreads, 2)
         }
         if (step % kGroups == kGroups - 1) leave_stage(item, pass, l, passes);
       }
+      empty_stage(item, pass, passes);
       if (skip) continue;
 
       // Sums that are not finite, and weights that are not (a point outside its level with an Inf
