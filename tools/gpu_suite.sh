@@ -138,7 +138,7 @@ if has unit; then
 fi
 if has sanitize; then
   for tool in memcheck racecheck synccheck; do
-    run "sanitize_$tool" ${SANITIZE_TIMEOUT:-300} compute-sanitizer --tool $tool --error-exitcode 1 python3 tools/sanitize_cases.py --backends ${SANITIZE_BACKENDS:-cuda tma_ws}
+    run "sanitize_$tool" ${SANITIZE_TIMEOUT:-300} compute-sanitizer --tool $tool --error-exitcode 1 python3 tools/sanitize_cases.py --backends ${SANITIZE_BACKENDS:-cuda tma_ws} ${SANITIZE_ARGS:-}
   done
 fi
 if has graph; then

@@ -3,6 +3,7 @@
     compute-sanitizer --tool memcheck  python tools/sanitize_cases.py
     compute-sanitizer --tool racecheck python tools/sanitize_cases.py --backends tma_ws
     compute-sanitizer --tool synccheck python tools/sanitize_cases.py
+    compute-sanitizer --tool racecheck python tools/sanitize_cases.py --backends tma_ws --groups region
 
 Covers every dtype, the fast and the deterministic backward (its sorted value gradient, which
 `auto` takes for these small cross-attention cases, and fixed point), partial tiles and points
@@ -11,7 +12,8 @@ backward's accumulation windows) on encoder problems (one query per pixel: pixel
 sampled locally, and uniformly over a level larger than four windows) and a decoder one, the
 tensor-core gather forward configs, the windowless forward configs on a decoder, and the region
 forward configs on encoders (local sampling over 3 and 5 levels, regions of more than one pass, and
-uniform sampling that hands the output to the windowless fallback). Prints one line per case; any
+uniform sampling that hands the output to the windowless fallback). `--groups` narrows a run to some
+of these (a kernel just changed, within one device call's time). Prints one line per case; any
 error the tool finds is reported by compute-sanitizer itself.
 """
 
@@ -109,15 +111,12 @@ def region_variants(dtype: torch.dtype) -> None:
         forward_configs(args, dtype, label, lambda name: name.startswith("rg_"))
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--backends", nargs="*", default=["cuda", "tma_ws"])
-    args = p.parse_args(argv)
+def backend_calls(backends: list[str]) -> None:
     shapes = [(7, 9), (4, 5), (2, 3), (1, 1)]
     wide_shapes = [(40, 60), (20, 30), (10, 15), (5, 8)]  # 3,190 keys: cross-attention at 1,300 queries
     layout_variable = "MMDEFORM_TMA_GRAD_VALUE_LAYOUT"
     previous_layout = os.environ.get(layout_variable)
-    for backend in args.backends:
+    for backend in backends:
         for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
             for deterministic, layout in ((False, "auto"), (True, "auto"), (True, "dense")):
                 os.environ[layout_variable] = layout
@@ -142,13 +141,35 @@ def main(argv=None) -> int:
         os.environ.pop(layout_variable, None)
     else:
         os.environ[layout_variable] = previous_layout
+
+
+# tma_ws's config families, each over the dtypes it takes (the backend's calls are group "ops").
+VARIANT_GROUPS = {
+    "window": ((torch.float16, torch.bfloat16, torch.float32), window_variants),
+    "tensor_core": ((torch.float16, torch.bfloat16), tensor_core_variants),
+    "lean": ((torch.float16, torch.bfloat16), lean_variants),
+    "region": ((torch.float16, torch.bfloat16), region_variants),
+}
+GROUPS = ("ops", *VARIANT_GROUPS)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--backends", nargs="*", default=["cuda", "tma_ws"])
+    p.add_argument("--groups", nargs="*", choices=GROUPS, default=list(GROUPS),
+                   help="ops: every backend's forward and backward calls; the others: tma_ws's config families")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if "ops" in args.groups:
+        backend_calls(args.backends)
     if "tma_ws" in args.backends:
-        for dtype in (torch.float16, torch.bfloat16, torch.float32):
-            window_variants(dtype)
-        for dtype in (torch.float16, torch.bfloat16):
-            tensor_core_variants(dtype)
-            lean_variants(dtype)
-            region_variants(dtype)
+        for group in (g for g in args.groups if g in VARIANT_GROUPS):
+            dtypes, variants = VARIANT_GROUPS[group]
+            for dtype in dtypes:
+                variants(dtype)
     return 0
 
 

@@ -32,7 +32,7 @@ class StandIns:
     """A folder of stand-in commands first on PATH. python3 records one line per call:
     'CUDA_VISIBLE_DEVICES|cores|MMDEFORM_TMA_TEST_BACKENDS| arguments', where cores is the list a
     taskset before it pinned the call to (empty: none); taskset runs the command so; nproc says 32;
-    ncu records '||| ncu arguments'."""
+    ncu records '||| ncu arguments'; compute-sanitizer records '||| compute-sanitizer arguments'."""
 
     def __init__(self, tmp_path: Path):
         self.bin = tmp_path / "bin"
@@ -50,6 +50,7 @@ class StandIns:
         executable(self.bin / "nproc", "#!/usr/bin/env bash\necho 32\n")
         # ncu records itself with what it would profile, as one call (it runs nothing)
         executable(self.bin / "ncu", f'#!/usr/bin/env bash\necho "||| ncu $*" >> "{self.calls}"\n')
+        executable(self.bin / "compute-sanitizer", f'#!/usr/bin/env bash\necho "||| compute-sanitizer $*" >> "{self.calls}"\n')
         self.gpus(2)
 
     def gpus(self, count: int) -> None:

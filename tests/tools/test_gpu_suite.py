@@ -257,3 +257,15 @@ def test_autotune_step_then_lists_the_stale_entries(suite):
     tune, stale = suite("autotune")
     assert "tools/autotune.py --backends tma_ws cuda --directions forward backward backward-deterministic" in tune
     assert stale.endswith("tools/autotune.py --stale")
+
+
+def test_sanitize_step_runs_each_tool_over_the_sanitizer_cases(suite):
+    calls = suite("sanitize")
+    assert [c.split("--tool ")[1].split()[0] for c in calls] == ["memcheck", "racecheck", "synccheck"]
+    assert all(c.endswith("--error-exitcode 1 python3 tools/sanitize_cases.py --backends cuda tma_ws") for c in calls)
+
+
+def test_sanitize_step_narrows_to_a_backend_and_config_groups(suite):
+    calls = suite("sanitize", SANITIZE_BACKENDS="tma_ws", SANITIZE_ARGS="--groups region")
+    assert len(calls) == 3
+    assert all(c.endswith("tools/sanitize_cases.py --backends tma_ws --groups region") for c in calls)
