@@ -163,23 +163,34 @@ def backward_direction() -> str:
     return DETERMINISTIC_BACKWARD if torch.are_deterministic_algorithms_enabled() else "backward"
 
 
-# Configs that run only on encoder self-attention (one query per key): the tma_ws region forward. A
-# table key (batch x queries) does not tell an encoder from a decoder of as many queries in all, so
-# their measurements stand only for calls of one query per key.
-SELF_ATTENTION_ONLY = ("rg_",)
+HALF_DTYPES = ("float16", "bfloat16")
+
+
+def config_runs(config: str, target: ShapeKey, self_attention: bool) -> bool:
+    """Whether a config runs this call at all. Most run any input; the tma_ws forward-only families
+    refuse what their kernels cannot take (the reasons in csrc/hopper/tensor_core_forward.cu and
+    region_forward.cu, which a GPU test compares with this), so a measurement of theirs stands only
+    for calls they run: the nearest measured shape may differ in levels, points or, for the region
+    forward, in being self-attention (a table key, batch x queries, does not tell an encoder from a
+    decoder of as many queries in all)."""
+    if config.startswith(("tc_", "rg_")) and (target.dtype not in HALF_DTYPES or target.channels != 32):
+        return False
+    if config.startswith("rg_"):
+        # Its 32-bit point indices and its fallback's need value bytes and location coordinates under
+        # 2^31 (window_forward.cu's lean_fits): judged at the largest work of the key's bucket.
+        work = (1 << target.work_bits) - 1
+        small = work * target.heads * target.channels * 2 < 2**31 and work * target.heads * target.levels * target.points * 2 < 2**31
+        return self_attention and target.points in (4, 8) and 2 <= target.levels <= 5 and small
+    return True
 
 
 def compiled_ranking(
-    ranked: list[tuple[str, float]], backend: str, direction: str, self_attention: bool = True
+    ranked: list[tuple[str, float]], backend: str, direction: str, target: ShapeKey, self_attention: bool = True
 ) -> list[tuple[str, float]]:
-    """A measured ranking without the configs this build does not compile, and without those that
-    need self-attention where the call is not."""
+    """A measured ranking without the configs this build does not compile and those that do not run
+    the target call."""
     names = kernel_configs(backend, kernel_direction(direction))
-    return [
-        (config, ms)
-        for config, ms in ranked
-        if config in names and (self_attention or not config.startswith(SELF_ATTENTION_ONLY))
-    ]
+    return [(config, ms) for config, ms in ranked if config in names and config_runs(config, target, self_attention)]
 
 
 @functools.cache
@@ -199,7 +210,7 @@ def nearest_times(
         times = {}
         for backend in candidates:
             ranked = compiled_ranking(
-                per_backend.get(backend, {}).get(direction) or [], backend, direction, self_attention
+                per_backend.get(backend, {}).get(direction) or [], backend, direction, target, self_attention
             )
             if ranked:
                 times[backend] = ranked[0][1]
@@ -248,7 +259,9 @@ def ranked_configs(
     target = ShapeKey.parse(key)
     best = None
     for measured_key, per_backend in measurements(device, capability).items():
-        ranked = compiled_ranking(per_backend.get(backend, {}).get(direction) or [], backend, direction, self_attention)
+        ranked = compiled_ranking(
+            per_backend.get(backend, {}).get(direction) or [], backend, direction, target, self_attention
+        )
         measured = ShapeKey.parse(measured_key)
         same_layout = (measured.dtype, measured.heads, measured.channels) == (target.dtype, target.heads, target.channels)
         if ranked and same_layout:

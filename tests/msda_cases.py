@@ -254,3 +254,36 @@ def symbolic_sizes(**hints: int):
 
 def guards(env) -> list[str]:
     return [str(guard.expr) for guard in env.guards]
+
+
+# The refusals of tma_ws's forward-only config families, as the kernels word them: the GPU tests check
+# that a config raises exactly these, and tests/test_tuning.py that the tables' rule (tuning.config_runs)
+# agrees.
+def tensor_core_forward_reason(name: str, problem) -> str | None:
+    """The error a tensor-core gather forward config (`tc_*`) must raise for this problem, if any."""
+    if not name.startswith("tc_"):
+        return None
+    if problem.value.dtype not in (torch.float16, torch.bfloat16):
+        return "takes float16 or bfloat16 values"
+    if problem.value.shape[-1] != 32:
+        return "takes heads of 32 channels"
+    return None
+
+
+def region_forward_reason(name: str, problem) -> str | None:
+    """The error a region forward config (`rg_*`) must raise for this problem, if any."""
+    if not name.startswith("rg_"):
+        return None
+    batch, keys, _, channels = problem.value.shape
+    queries, levels, points = problem.sampling_locations.shape[1], *problem.sampling_locations.shape[3:5]
+    if problem.value.dtype not in (torch.float16, torch.bfloat16):
+        return "takes float16 or bfloat16 values"
+    if channels != 32:
+        return "takes heads of 32 channels"
+    if queries != keys:
+        return "takes encoder self-attention"
+    if points not in (4, 8):
+        return "takes 4 or 8 points a level"
+    if not 2 <= levels <= 5:
+        return "takes 2 to 5 levels"
+    return None

@@ -1,9 +1,12 @@
 """Tuning tables: per-direction choices, the nearest-shape rule, GPUs without a table of their own."""
 
+import itertools
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
+from msda_cases import region_forward_reason, tensor_core_forward_reason
 
 from mmdeform_tma import _extension, dispatch, tuning
 from mmdeform_tma.tuning import ShapeKey, distance
@@ -287,3 +290,59 @@ def test_self_attention_only_configs_stand_only_for_one_query_per_key(table, mon
     assert best(False) == forward.index("ws_a")
     assert tuning._fastest(GPU, CAPABILITY, key, "forward", ALL, True) == "tma_ws"  # 0.13 against cuda's 0.21
     assert tuning._fastest(GPU, CAPABILITY, key, "forward", ALL, False) == "cuda"  # 0.43 against 0.21
+
+
+def shape_of(dtype, channels, levels, points, self_attention, batch=2, heads=8):
+    """A call's tensors as the refusal rules read them (meta tensors: shapes and dtypes only)."""
+    keys = 300
+    queries = keys if self_attention else keys + 1
+    return SimpleNamespace(
+        value=torch.empty(batch, keys, heads, channels, dtype=dtype, device="meta"),
+        sampling_locations=torch.empty(batch, queries, heads, levels, points, 2, device="meta"),
+    )
+
+
+@pytest.mark.parametrize("config", ["tc_w4", "rg_r8x16", "ws_a"])
+def test_the_tables_rule_agrees_with_the_kernels_refusals(config):
+    """tuning.config_runs keeps a forward-only config's measurement only for calls its kernel runs: the
+    refusals the GPU tests hold the kernels to (msda_cases), on every layout, level and point count."""
+    grid = itertools.product((torch.float16, torch.bfloat16, torch.float32), (16, 32, 64), range(1, 7), (1, 2, 3, 4, 6, 8),
+                             (True, False))
+    for dtype, channels, levels, points, self_attention in grid:
+        call = shape_of(dtype, channels, levels, points, self_attention)
+        refused = tensor_core_forward_reason(config, call) or region_forward_reason(config, call)
+        key = ShapeKey.parse(tuning.shape_key(dtype, 8, channels, levels, points, 2 * call.sampling_locations.shape[1]))
+        assert tuning.config_runs(config, key, self_attention) == (refused is None), (dtype, channels, levels, points, self_attention)
+
+
+def test_the_region_forward_is_not_taken_for_inputs_past_its_32_bit_indices():
+    """Value bytes or location coordinates of 2^31 or more: the region forward's fallback refuses them
+    (lean_fits), so the whole work bucket that may hold them takes another config."""
+    for bits, runs in ((21, True), (22, True), (23, False)):  # value bytes below (2^bits) x 8 heads x 64 bytes
+        key = ShapeKey.parse(f"float16/h8/c32/l4/p4/w{bits}")
+        assert tuning.config_runs("rg_r8x16", key, True) is runs
+    assert tuning.config_runs("rg_r8x16", ShapeKey.parse("float16/h8/c32/l5/p8/w20"), True)
+    assert not tuning.config_runs("rg_r8x16", ShapeKey.parse("float16/h16/c32/l5/p8/w21"), True)  # coordinates: 2^21 x 1280
+
+
+@pytest.mark.parametrize("key, expected", [
+    ("float16/h8/c32/l4/p2/w16", "ws_a"),   # 2 points: the region forward refuses them
+    ("float16/h8/c32/l3/p6/w15", "ws_a"),   # 6 points
+    ("float16/h8/c32/l6/p4/w16", "ws_a"),   # 6 levels
+    ("float16/h8/c32/l5/p8/w17", "rg_r8x16"),
+    ("float16/h8/c32/l3/p4/w14", "rg_r8x16"),
+])
+def test_a_region_config_measured_nearby_is_taken_only_where_it_runs(table, monkeypatch, key, expected):
+    """The nearest measured encoder names the region forward first: an encoder it cannot run (points,
+    levels) takes the entry's next config instead of raising, and `auto`'s backend choice follows that
+    config's time."""
+    measured = "float16/h8/c32/l4/p4/w16"
+    entries = [e for e in SYNTHETIC if (e["key"], e["backend"], e["direction"]) != (measured, "tma_ws", "forward")]
+    entries.append(entry(measured, "tma_ws", "forward", ("rg_r8x16", 0.13), ("ws_a", 0.43)))
+    table.write_text(json.dumps({"format": tuning.TABLE_FORMAT, "device": GPU, "capability": list(CAPABILITY), "entries": entries}))
+    names = compiled_names(entries)
+    monkeypatch.setattr(_extension, "_kernel_configs", lambda backend, direction: names.get((backend, direction), ()))
+    tuning.clear_caches()
+    forward = _extension.kernel_configs("tma_ws", "forward")
+    assert tuning._best_config(GPU, CAPABILITY, key, "tma_ws", "forward", True) == forward.index(expected)
+    assert tuning._fastest(GPU, CAPABILITY, key, "forward", ALL, True) == ("tma_ws" if expected == "rg_r8x16" else "cuda")
