@@ -4,6 +4,7 @@
     python tools/profile_call.py --presets detr_dec_bs2 dino_dec_bs2 --grad-value-layouts dense touched \\
         --deterministic both --out docs/measurements/calls_h100
     python tools/profile_call.py --device cpu          # the reference backend's ops, tiny preset
+    python tools/profile_call.py --presets detr_enc_bs2 --forward-config rg_r8x16 --locality local uniform
 
 torch.profiler over `--calls` eager calls of `mmdeform_tma.multi_scale_deformable_attn` and the
 backward of its output, input sets rotated as in tools/benchmark_op.py (L2 cannot hold them all).
@@ -11,13 +12,17 @@ Each row is one kernel (on the CPU: one operator): its time and launch count per
 over its launches. `--grad-value-layouts` sets MMDEFORM_TMA_GRAD_VALUE_LAYOUT per run (dense: the
 whole accumulator zeroed and converted; touched: only the sampled cells' rows; sorted: the
 deterministic backward's contributions sorted by cell), so the layouts of the value gradient are
-compared kernel by kernel. Writes JSON and Markdown.
+compared kernel by kernel. `--forward-config NAME` profiles the forward op alone with one of the
+backend's compiled forward configs (what a table would choose is bypassed), e.g. a config whose call
+launches several kernels; `--locality` samples around the reference points or uniformly. Writes JSON
+and Markdown.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import os
 import sys
 from collections import defaultdict
@@ -31,6 +36,7 @@ import bench_common  # noqa: E402
 from benchmark_op import DTYPES, PRESETS, rotated_input_sets  # noqa: E402
 
 import mmdeform_tma  # noqa: E402
+from mmdeform_tma._extension import kernel_configs  # noqa: E402
 
 LAYOUT_VARIABLE = "MMDEFORM_TMA_GRAD_VALUE_LAYOUT"
 NAME_WIDTH = 90
@@ -69,19 +75,35 @@ def kernel_times(prof, device: torch.device, calls: int) -> list[dict]:
     return sorted(rows, key=lambda r: -r["us_per_call"])
 
 
+def forward_config_index(backend: str, name: str) -> int:
+    names = list(kernel_configs(backend, "forward"))
+    if name not in names:
+        raise SystemExit(f"profile_call: backend {backend!r} compiles no forward config {name!r} "
+                         f"(it has: {', '.join(names) or 'none'})")
+    return names.index(name)
+
+
 def profile_case(preset: str, backend: str, dtype: torch.dtype, deterministic: bool, layout: str | None,
-                 device: torch.device, calls: int, warmup: int) -> dict:
+                 device: torch.device, calls: int, warmup: int, locality: str = "local",
+                 forward_config: str | None = None) -> dict:
     shape = PRESETS[preset]
-    sets = rotated_input_sets(shape, dtype, "local", device)
+    sets = rotated_input_sets(shape, dtype, locality, device)
     grads_out = []
-    for value, shapes, starts, loc, attn in sets:
-        for t in (value, loc, attn):
-            t.requires_grad_()
-        q = loc.shape[1]
-        grads_out.append(torch.randn(value.shape[0], q, value.shape[2] * value.shape[3], device=device, dtype=dtype))
+    if forward_config is None:
+        for value, shapes, starts, loc, attn in sets:
+            for t in (value, loc, attn):
+                t.requires_grad_()
+            q = loc.shape[1]
+            grads_out.append(torch.randn(value.shape[0], q, value.shape[2] * value.shape[3], device=device, dtype=dtype))
+        index = -1
+    else:
+        index = forward_config_index(backend, forward_config)
 
     def call(i: int) -> None:
         value, shapes, starts, loc, attn = sets[i % len(sets)]
+        if forward_config is not None:
+            torch.ops.mmdeform_tma.ms_deform_attn_forward(value, shapes, starts, loc, attn, backend, index)
+            return
         out = mmdeform_tma.multi_scale_deformable_attn(value, shapes, starts, loc, attn, backend=backend)
         torch.autograd.grad(out, (value, loc, attn), grads_out[i % len(sets)])
 
@@ -104,6 +126,8 @@ def profile_case(preset: str, backend: str, dtype: torch.dtype, deterministic: b
         "preset": preset,
         "shape": shape.describe(),
         "backend": backend,
+        "forward_config": forward_config,
+        "locality": locality,
         "dtype": str(dtype).removeprefix("torch."),
         "deterministic": deterministic,
         "grad_value_layout": layout or "default",
@@ -122,6 +146,9 @@ def parse_args(argv=None):
     p.add_argument("--deterministic", choices=("off", "on", "both"), default="off")
     p.add_argument("--grad-value-layouts", nargs="*", choices=("dense", "touched", "sorted", "auto"), default=None,
                    help=f"values of {LAYOUT_VARIABLE} to run (default: leave it as it is)")
+    p.add_argument("--locality", nargs="*", choices=("local", "uniform"), default=["local"])
+    p.add_argument("--forward-config", default=None,
+                   help="profile the forward op alone with this compiled forward config of each backend")
     p.add_argument("--calls", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--out", type=Path, default=None, help="writes OUT.json and OUT.md")
@@ -141,22 +168,25 @@ def main(argv=None) -> int:
     for preset in presets:
         for backend in backends:
             for dtype in dtypes:
-                for deterministic in modes:
-                    for layout in layouts:
-                        row = profile_case(preset, backend, dtype, deterministic, layout, device, args.calls, args.warmup)
-                        results.append(row)
-                        print(f"{preset} {backend} {row['dtype']} deterministic={deterministic} layout={row['grad_value_layout']}: "
-                              f"{row['total_us_per_call']:.1f} us per call")
-                        for k in row["kernels"]:
-                            print(f"    {k['us_per_call']:9.1f} us  x{k['launches_per_call']:g}  {k['kernel']}")
+                for deterministic, layout, locality in itertools.product(modes, layouts, args.locality):
+                    row = profile_case(preset, backend, dtype, deterministic, layout, device, args.calls, args.warmup,
+                                       locality, args.forward_config)
+                    results.append(row)
+                    what = f"forward config {args.forward_config}" if args.forward_config else (
+                        f"deterministic={deterministic} layout={row['grad_value_layout']}")
+                    print(f"{preset} {backend} {row['dtype']} {locality} {what}: {row['total_us_per_call']:.1f} us per call")
+                    for k in row["kernels"]:
+                        print(f"    {k['us_per_call']:9.1f} us  x{k['launches_per_call']:g}  {k['kernel']}")
     if args.out is not None:
         bench_common.write_json(args.out.with_suffix(".json"), {"environment": bench_common.environment(device), "results": results})
-        header = ["preset", "backend", "dtype", "deterministic", "grad_value layout", "kernel", "µs per call", "launches"]
+        header = ["preset", "backend", "call", "locality", "dtype", "deterministic", "grad_value layout", "kernel",
+                  "µs per call", "launches"]
         rows = []
         for r in results:
-            rows.append([r["preset"], r["backend"], r["dtype"], r["deterministic"], r["grad_value_layout"], "**total**",
-                         f"**{r['total_us_per_call']:.1f}**", ""])
-            rows += [["", "", "", "", "", f"`{k['kernel']}`", f"{k['us_per_call']:.1f}", f"{k['launches_per_call']:g}"] for k in r["kernels"]]
+            what = f"forward {r['forward_config']}" if r["forward_config"] else "forward + backward"
+            rows.append([r["preset"], r["backend"], what, r["locality"], r["dtype"], r["deterministic"], r["grad_value_layout"],
+                         "**total**", f"**{r['total_us_per_call']:.1f}**", ""])
+            rows += [[""] * 7 + [f"`{k['kernel']}`", f"{k['us_per_call']:.1f}", f"{k['launches_per_call']:g}"] for k in r["kernels"]]
         args.out.with_suffix(".md").write_text(bench_common.markdown_table(header, rows) + "\n")
     return 0
 

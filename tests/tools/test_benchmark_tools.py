@@ -681,6 +681,46 @@ def test_profile_call_lists_each_call_s_kernels(tmp_path, monkeypatch):
     assert os.environ[profile_call.LAYOUT_VARIABLE] == "auto"  # restored after the runs
 
 
+def test_profile_call_samples_uniformly_on_request(tmp_path):
+    import profile_call
+
+    out = tmp_path / "calls"
+    assert profile_call.main(["--device", "cpu", "--calls", "1", "--warmup", "0", "--locality", "local", "uniform",
+                              "--out", str(out)]) == 0
+    rows = json.loads(out.with_suffix(".json").read_text())["results"]
+    assert [(r["locality"], r["forward_config"]) for r in rows] == [("local", None), ("uniform", None)]
+    assert "forward + backward" in out.with_suffix(".md").read_text()
+
+
+def test_profile_call_profiles_one_forward_config_alone(tmp_path, monkeypatch):
+    """With --forward-config the forward op runs alone with that config's index: no backward."""
+    import profile_call
+
+    monkeypatch.setattr(profile_call, "kernel_configs", lambda backend, direction: ("c2_a", "rg_b"))
+    called = []
+
+    def forward(value, shapes, starts, loc, attn, backend, config):
+        called.append((backend, config, loc.requires_grad))
+        return torch.zeros(1)
+
+    monkeypatch.setattr(torch.ops.mmdeform_tma, "ms_deform_attn_forward", forward)
+    out = tmp_path / "calls"
+    assert profile_call.main(["--device", "cpu", "--backends", "tma_ws", "--forward-config", "rg_b", "--calls", "2",
+                              "--warmup", "1", "--out", str(out)]) == 0
+    assert called == [("tma_ws", 1, False)] * 3
+    (row,) = json.loads(out.with_suffix(".json").read_text())["results"]
+    assert row["forward_config"] == "rg_b" and row["backend"] == "tma_ws"
+    assert "forward rg_b" in out.with_suffix(".md").read_text()
+
+
+def test_profile_call_names_the_configs_a_backend_has(monkeypatch):
+    import profile_call
+
+    monkeypatch.setattr(profile_call, "kernel_configs", lambda backend, direction: ("c2_a",))
+    with pytest.raises(SystemExit, match="compiles no forward config 'rg_b' \\(it has: c2_a\\)"):
+        profile_call.forward_config_index("tma_ws", "rg_b")
+
+
 def test_profile_call_restores_the_layout_variable(monkeypatch):
     import profile_call
 
