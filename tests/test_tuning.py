@@ -273,18 +273,24 @@ def test_work_bits_is_bit_length_and_guards_a_symbolic_size_on_its_range_only():
 
 
 
-def test_self_attention_only_configs_stand_only_for_one_query_per_key(table, monkeypatch):
-    """A region forward config (`rg_*`) measured fastest on an encoder is not chosen for a decoder of as
-    many queries in all (the same table key): the next config is, and the backend choice follows that
-    config's time."""
-    key = "float16/h8/c32/l4/p4/w16"
+def region_config_measured_at(key, table, monkeypatch):
+    """The synthetic table with tma_ws's forward at `key` led by the region forward (0.13 ms, then ws_a at
+    0.43; cuda 0.21 there); returns the forward config names this build is taken to compile."""
     entries = [e for e in SYNTHETIC if (e["key"], e["backend"], e["direction"]) != (key, "tma_ws", "forward")]
     entries.append(entry(key, "tma_ws", "forward", ("rg_r8x16", 0.13), ("ws_a", 0.43)))
     table.write_text(json.dumps({"format": tuning.TABLE_FORMAT, "device": GPU, "capability": list(CAPABILITY), "entries": entries}))
     names = compiled_names(entries)
     monkeypatch.setattr(_extension, "_kernel_configs", lambda backend, direction: names.get((backend, direction), ()))
     tuning.clear_caches()
-    forward = _extension.kernel_configs("tma_ws", "forward")
+    return _extension.kernel_configs("tma_ws", "forward")
+
+
+def test_self_attention_only_configs_stand_only_for_one_query_per_key(table, monkeypatch):
+    """A region forward config (`rg_*`) measured fastest on an encoder is not chosen for a decoder of as
+    many queries in all (the same table key): the next config is, and the backend choice follows that
+    config's time."""
+    key = "float16/h8/c32/l4/p4/w16"
+    forward = region_config_measured_at(key, table, monkeypatch)
     best = lambda attention: tuning._best_config(GPU, CAPABILITY, key, "tma_ws", "forward", attention)  # noqa: E731
     assert best(True) == forward.index("rg_r8x16")
     assert best(False) == forward.index("ws_a")
@@ -337,12 +343,6 @@ def test_a_region_config_measured_nearby_is_taken_only_where_it_runs(table, monk
     levels) takes the entry's next config instead of raising, and `auto`'s backend choice follows that
     config's time."""
     measured = "float16/h8/c32/l4/p4/w16"
-    entries = [e for e in SYNTHETIC if (e["key"], e["backend"], e["direction"]) != (measured, "tma_ws", "forward")]
-    entries.append(entry(measured, "tma_ws", "forward", ("rg_r8x16", 0.13), ("ws_a", 0.43)))
-    table.write_text(json.dumps({"format": tuning.TABLE_FORMAT, "device": GPU, "capability": list(CAPABILITY), "entries": entries}))
-    names = compiled_names(entries)
-    monkeypatch.setattr(_extension, "_kernel_configs", lambda backend, direction: names.get((backend, direction), ()))
-    tuning.clear_caches()
-    forward = _extension.kernel_configs("tma_ws", "forward")
+    forward = region_config_measured_at(measured, table, monkeypatch)
     assert tuning._best_config(GPU, CAPABILITY, key, "tma_ws", "forward", True) == forward.index(expected)
     assert tuning._fastest(GPU, CAPABILITY, key, "forward", ALL, True) == ("tma_ws" if expected == "rg_r8x16" else "cuda")
