@@ -2,7 +2,10 @@
 // self-attention (one query per key: query q samples around pixel q of its level). perf_notes.md,
 // items 142-145: its design probe (the record version) took 0.131 ms against 0.145 for the table's
 // `tma_ws` config and 0.170 for DCNv4 on the fp16 DETR encoder at bs 2 (H100, 2026-12-07, session 58,
-// probe at f204db2; docs/measurements/window_tma_probe_h100_lean.json). This config is not timed yet.
+// probe at f204db2; docs/measurements/window_tma_probe_h100_lean.json). This config took 0.288 ms there,
+// 2x the table's 0.148 and the probe's shuffle version's 0.133 in the same run (H100, 2026-12-07,
+// session 60, 813545c; docs/measurements/region_forward_h100_s60.md): no table names it until the
+// cause is found (perf_notes.md, after item 147).
 //
 // A work item is one (batch, head, region). A region is an 8 x 16 block of the first level's pixels
 // with every query, of any level, whose pixel centre lies in it: 170 queries on the DETR encoder, so
