@@ -18,6 +18,11 @@
 #ifndef MMDEFORM_TMA_WITH_HOPPER
 #define MMDEFORM_TMA_WITH_HOPPER 0
 #endif
+#if MMDEFORM_TMA_WITH_HOPPER
+#include <c10/cuda/CUDAGuard.h>
+
+#include "hopper/region_forward.h"
+#endif
 #define MMDEFORM_TMA_STRINGIFY_ARGS(...) #__VA_ARGS__
 #define MMDEFORM_TMA_STRINGIFY(...) MMDEFORM_TMA_STRINGIFY_ARGS(__VA_ARGS__)
 
@@ -65,4 +70,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return mmdeform_tma::kernel_config_names(backend, direction);
       },
       "Names of a backend's compiled kernel variants for 'forward' or 'backward', in `config` order");
+#if MMDEFORM_TMA_WITH_HOPPER
+  m.def(
+      "_region_forward_alone",
+      [](const at::Tensor& value, const at::Tensor& spatial_shapes, const at::Tensor& level_start_index,
+         const at::Tensor& sampling_locations, const at::Tensor& attention_weights, const std::string& config) {
+        const c10::cuda::CUDAGuard guard(value.device());
+        const mmdeform_tma::ProblemTensors problem = mmdeform_tma::check_problem(
+            value.contiguous(), spatial_shapes.contiguous(), level_start_index.contiguous(),
+            sampling_locations.contiguous(), attention_weights.contiguous(), "_region_forward_alone");
+        return mmdeform_tma::tma_ws::region_forward_alone(problem, config);
+      },
+      "Test hook: a region forward config's kernel without its fallback: (output, spread flag)");
+#endif
 }

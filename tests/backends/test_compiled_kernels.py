@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import mmdeform_tma
-from mmdeform_tma._extension import kernel_configs
+from mmdeform_tma._extension import extension, kernel_configs
 from mmdeform_tma.backends import BACKENDS
 from mmdeform_tma.inputs import validate
 from msda_cases import (
@@ -1213,6 +1213,24 @@ def test_tma_ws_region_forward_against_float64(case, dtype):
     for name in region_forward_configs():
         out = torch.ops.mmdeform_tma.ms_deform_attn_forward(*problem.args(), "tma_ws", names.index(name))
         check(out, exact, f"{name} output")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", REGION_CASES[:4] + REGION_CASES[5:], ids=lambda c: c[0])
+def test_tma_ws_region_kernel_alone(case, dtype):
+    """The region kernel without its fallback (a test hook): on encoder sampling it leaves the spread
+    flag clear and writes every output itself, within the accuracy rule; on uniform sampling over a
+    level several windows wide it sets the flag. The configs' own output cannot show either: the
+    fallback after the kernel writes every row once the flag is set."""
+    problem = cuda_problem(case, dtype, seed=59)
+    skip_unless_supported("tma_ws", validate(*problem.args()))
+    local = case[-1] == "encoder"
+    exact = gather_reference(*[t.double() if t.is_floating_point() else t for t in problem.args()])
+    for name in region_forward_configs():
+        out, spread = extension()._region_forward_alone(*problem.args(), name)
+        assert spread.item() == (0 if local else 1), f"{name}: spread flag {spread.item()}"
+        if local:
+            check(out, exact, f"{name} alone")
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)

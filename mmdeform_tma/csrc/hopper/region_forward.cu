@@ -29,6 +29,7 @@
 #include <c10/cuda/CUDAException.h>
 
 #include <algorithm>
+#include <limits>
 
 #include "../common/cuda_runtime_utils.h"
 #include "mma_fragments.cuh"
@@ -605,6 +606,20 @@ void region_forward(const ProblemTensors& problem, const RegionForwardConfig& co
   } else {
     half ? launch<__half, 8>(maps, args, problem) : launch<__nv_bfloat16, 8>(maps, args, problem);
   }
+}
+
+std::tuple<at::Tensor, at::Tensor> region_forward_alone(const ProblemTensors& problem, const std::string& name) {
+  const auto& configs = hopper::window::region_forward_configs();
+  const auto config = std::find_if(configs.begin(), configs.end(), [&](const auto& c) { return c.name == name; });
+  TORCH_CHECK(config != configs.end(), "mmdeform_tma tma_ws: no region forward config named ", name);
+  TORCH_CHECK(!problem.empty_output(), "mmdeform_tma tma_ws: the region forward takes a non-empty problem");
+  TORCH_CHECK(problem.num_items() * problem.levels * problem.points * 2 < (int64_t{1} << 31),
+              "mmdeform_tma tma_ws: the region forward takes under 2^31 location coordinates");
+  at::Tensor output = at::full({problem.batch, problem.queries, problem.heads * problem.channels},
+                               std::numeric_limits<double>::quiet_NaN(), problem.value.options());
+  at::Tensor spread = at::zeros({1}, problem.value.options().dtype(at::kInt));
+  region_forward(problem, *config, output, spread.data_ptr<int>());
+  return {output, spread};
 }
 
 }  // namespace tma_ws

@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 
 #include <string>
+#include <tuple>
 
 #include "../common/problem.h"
 #include "window_config.h"
@@ -20,6 +21,12 @@ std::string region_forward_unsupported(const ProblemTensors& problem);
 // the caller) and leaves the output to a forward that the caller runs next where the flag is set.
 void region_forward(const ProblemTensors& problem, const hopper::window::RegionForwardConfig& config,
                     at::Tensor& output, int* spread_flag);
+
+// A test hook (tests/backends/test_compiled_kernels.py): config `name`'s region kernel alone, without
+// the fallback the config runs after it, which writes every output once the flag is set and so would
+// hide a kernel that gives up on local sampling. Returns the output (NaN where nothing was written)
+// and the spread flag (1: the kernel found sampling that leaves its windows).
+std::tuple<at::Tensor, at::Tensor> region_forward_alone(const ProblemTensors& problem, const std::string& name);
 
 }  // namespace tma_ws
 }  // namespace mmdeform_tma
